@@ -1,0 +1,216 @@
+"""Typed settings for `nextn serve`: one frozen pydantic model, four layered sources.
+
+Precedence (highest first): command line > ``NEXTN_*`` environment variables > TOML file
+(``--config FILE`` / ``NEXTN_CONFIG``, else ``config/default.toml``) > the field defaults below.
+This module is the only place in nextn that reads environment variables.
+
+Every field ``foo_bar`` is the flag ``--foo-bar``, the variable ``NEXTN_FOO_BAR`` and the TOML key
+``foo_bar`` in the ``[serve]`` table (``model_dir`` is the positional ``MODEL_DIR`` on the command line).
+A bad value from any source raises ``SettingsError`` whose message is one line naming the setting,
+the value and where it came from. Values left on ``auto`` are resolved by ``resolve_device`` (before
+the model loads) and ``resolve_for_model`` (from the checkpoint's config); every such automatic
+choice is logged.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+log = logging.getLogger("nextn.config")
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+#: The bundled demo checkpoint (present in a source checkout; `pip install -e .` keeps it reachable).
+DEMO_MODEL_DIR = REPO_ROOT / "models" / "demo"
+DEFAULT_CONFIG_FILE = Path(__file__).resolve().parent / "default.toml"
+ENV_PREFIX = "NEXTN_"
+#: `--config` itself has an environment variable but is not a setting.
+CONFIG_ENV = ENV_PREFIX + "CONFIG"
+#: Without --max-model-len the context is min(the checkpoint's max_position_embeddings, this): a
+#: Qwen3.5 checkpoint advertises 262144 positions, far more than the KV a demo or a CPU should hold.
+DEFAULT_MAX_MODEL_LEN_CAP = 4096
+#: The engine's telemetry tracks this many draft positions (engine.spec.SPEC_TELEM_POS).
+MAX_SPEC_TOKENS = 8
+
+
+class SettingsError(ValueError):
+    """A setting is invalid; ``str(err)`` is one line fit for stderr."""
+
+
+class ServeSettings(BaseModel):
+    """Every `nextn serve` setting. Frozen: build a new one (``model_copy``) to change a value."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model_dir: Path = Field(DEMO_MODEL_DIR, validate_default=True,
+                            description="HF checkpoint directory (default: the bundled demo)")
+    host: str = Field("127.0.0.1", min_length=1, description="address to bind")
+    port: int = Field(8000, ge=1, le=65535, description="TCP port to bind")
+    served_model_name: str | None = Field(
+        None, min_length=1, description="model id clients send and /v1/models lists (default: MODEL_DIR's name)")
+    num_speculative_tokens: int = Field(
+        3, ge=0, le=MAX_SPEC_TOKENS, description="MTP draft tokens per round K (0 = plain decode)")
+    spec_draft_p_min: float = Field(
+        0.0, ge=0.0, le=1.0, description="stop drafting when the draft token's probability is below this")
+    spec_capmax: int = Field(7, ge=1, le=MAX_SPEC_TOKENS, description="upper bound on K")
+    max_model_len: int | None = Field(
+        None, ge=2, description=f"context length, prompt + completion (default: min(checkpoint, "
+                                f"{DEFAULT_MAX_MODEL_LEN_CAP}))")
+    max_num_seqs: int = Field(8, ge=1, description="sessions decoded concurrently (round-robin bursts)")
+    max_queue: int = Field(64, ge=1, description="sessions waiting for a slot before requests get 429")
+    burst_rounds: int = Field(4, ge=1, description="verify rounds one session runs before the next gets a turn")
+    api_key: str | None = Field(None, min_length=1, description="require `Authorization: Bearer KEY` on /v1/*")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available, else cpu")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="auto = float32 on cpu, the checkpoint's dtype on cuda")
+    metrics_compat: Literal["none", "vllm"] = Field(
+        "none", description="vllm = also expose vLLM's `vllm:` metric names on /metrics")
+    log_level: Literal["debug", "info", "warning", "error", "critical"] = Field("info", description="log level")
+
+    @field_validator("device", "dtype", "metrics_compat", "log_level", mode="before")
+    @classmethod
+    def _lower(cls, v: Any) -> Any:
+        return v.lower() if isinstance(v, str) else v
+
+    @field_validator("model_dir")
+    @classmethod
+    def _model_dir_exists(cls, v: Path) -> Path:
+        if not v.is_dir():
+            hint = " (the bundled demo model is missing; pass a checkpoint directory)" if v == DEMO_MODEL_DIR else ""
+            raise ValueError(f"model directory {v} does not exist{hint}")
+        return v
+
+    @model_validator(mode="after")
+    def _k_within_capmax(self) -> "ServeSettings":
+        if self.num_speculative_tokens > self.spec_capmax:
+            raise ValueError(f"num_speculative_tokens ({self.num_speculative_tokens}) exceeds spec_capmax "
+                             f"({self.spec_capmax})")
+        return self
+
+    @property
+    def url(self) -> str:
+        """Base URL clients use (``http://host:port``)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+
+def field_names() -> list[str]:
+    """Setting names in declaration order (the CLI flags are generated from these)."""
+    return list(ServeSettings.model_fields)
+
+
+def env_var(name: str) -> str:
+    """Environment variable of setting `name`, e.g. ``port`` -> ``NEXTN_PORT``."""
+    return ENV_PREFIX + name.upper()
+
+
+def flag(name: str) -> str:
+    """Command-line spelling of setting `name`, e.g. ``max_num_seqs`` -> ``--max-num-seqs``."""
+    return "MODEL_DIR" if name == "model_dir" else "--" + name.replace("_", "-")
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise SettingsError(f"config file {path} does not exist") from None
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise SettingsError(f"config file {path} is not valid TOML: {e}") from None
+    unknown_tables = sorted(set(raw) - {"serve"})
+    if unknown_tables:
+        raise SettingsError(f"config file {path}: unknown top-level key(s) {unknown_tables} (settings go in [serve])")
+    table = raw.get("serve", {})
+    if not isinstance(table, dict):
+        raise SettingsError(f"config file {path}: [serve] must be a table")
+    return table
+
+
+def _read_env(environ: Mapping[str, str]) -> dict[str, str]:
+    known = {env_var(n): n for n in field_names()}
+    unknown = sorted(k for k in environ if k.startswith(ENV_PREFIX) and k not in known and k != CONFIG_ENV)
+    if unknown:
+        log.warning("ignoring unknown environment variable(s) %s", ", ".join(unknown))
+    return {known[k]: v for k, v in environ.items() if k in known and v != ""}
+
+
+def load_settings(cli: Mapping[str, Any], *, config_file: Path | None = None,
+                  environ: Mapping[str, str] | None = None) -> ServeSettings:
+    """Merge the four sources into a validated `ServeSettings`.
+
+    `cli` holds only the settings given on the command line (keys are field names). `config_file` is
+    ``--config``; without it ``NEXTN_CONFIG``, then ``config/default.toml``. `environ` defaults to
+    ``os.environ``. Raises `SettingsError` (one line) for an unknown key or a bad value from any source.
+    """
+    environ = os.environ if environ is None else environ
+    if config_file is None and environ.get(CONFIG_ENV):
+        config_file = Path(environ[CONFIG_ENV])
+    path = config_file if config_file is not None else DEFAULT_CONFIG_FILE
+    layers = [(f"config file {path}", _read_toml(path)), ("environment", _read_env(environ)), ("command line", cli)]
+    values: dict[str, Any] = {}
+    source: dict[str, str] = {}
+    for label, layer in layers:
+        for key, value in layer.items():
+            if key not in ServeSettings.model_fields:
+                raise SettingsError(f"{label}: unknown setting {key!r}")
+            values[key] = value
+            source[key] = {"environment": env_var(key), "command line": flag(key)}.get(label, f"{key} in {path}")
+    try:
+        return ServeSettings(**values)
+    except ValidationError as e:
+        raise SettingsError(_one_line(e, values, source)) from None
+
+
+def _one_line(err: ValidationError, values: Mapping[str, Any], source: Mapping[str, str]) -> str:
+    first = err.errors()[0]
+    msg = first["msg"].removeprefix("Value error, ")
+    more = f" (and {err.error_count() - 1} more)" if err.error_count() > 1 else ""
+    if not first["loc"]:  # a cross-field rule
+        return f"invalid settings: {msg}{more}"
+    key = str(first["loc"][0])
+    return f"invalid value {values.get(key)!r} for {source.get(key, key)}: {msg}{more}"
+
+
+def resolve_device(settings: ServeSettings, *, cuda_available: bool) -> ServeSettings:
+    """Replace ``device``/``dtype`` ``auto`` by concrete choices (logged); ``dtype`` stays ``auto`` on
+    cuda, meaning the checkpoint's own dtype. Raises `SettingsError` for ``--device cuda`` without CUDA."""
+    update: dict[str, Any] = {}
+    device = settings.device
+    if device == "auto":
+        device = update["device"] = "cuda" if cuda_available else "cpu"
+        log.info("device auto -> %s", device)
+    elif device == "cuda" and not cuda_available:
+        raise SettingsError("--device cuda was requested but CUDA is not available")
+    if settings.dtype == "auto" and device == "cpu":
+        update["dtype"] = "float32"
+        log.info("dtype auto -> float32 (cpu)")
+    return settings.model_copy(update=update)
+
+
+def resolve_for_model(settings: ServeSettings, *, max_position_embeddings: int, has_mtp: bool) -> ServeSettings:
+    """Fill the settings that depend on the checkpoint (each automatic choice is logged).
+
+    served_model_name defaults to MODEL_DIR's name; max_model_len to min(max_position_embeddings,
+    DEFAULT_MAX_MODEL_LEN_CAP) and may not exceed max_position_embeddings; K drops to 0 when the
+    checkpoint has no MTP weights. Raises `SettingsError` for a max_model_len the model cannot serve.
+    """
+    update: dict[str, Any] = {}
+    if settings.served_model_name is None:
+        update["served_model_name"] = settings.model_dir.resolve().name
+        log.info("served_model_name -> %s (model directory name)", update["served_model_name"])
+    if settings.max_model_len is None:
+        update["max_model_len"] = min(max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP)
+        log.info("max_model_len -> %d (min of the checkpoint's %d and %d)", update["max_model_len"],
+                 max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP)
+    elif settings.max_model_len > max_position_embeddings:
+        raise SettingsError(f"--max-model-len {settings.max_model_len} exceeds the checkpoint's "
+                            f"max_position_embeddings ({max_position_embeddings})")
+    if settings.num_speculative_tokens > 0 and not has_mtp:
+        update["num_speculative_tokens"] = 0
+        log.warning("num_speculative_tokens %d -> 0: the checkpoint has no MTP weights (plain decode)",
+                    settings.num_speculative_tokens)
+    return settings.model_copy(update=update)

@@ -1,0 +1,304 @@
+"""Tokenizer for Hugging Face model directories: tokenizer.json, chat template, stop ids, streaming detokenizer.
+
+Loads what a Qwen3.5 checkpoint ships (``tokenizer.json``, ``tokenizer_config.json``,
+``generation_config.json``, optionally ``chat_template.jinja``) with the ``tokenizers`` package and
+renders chat templates with jinja2 the way ``transformers`` does, so prompts are token-identical to
+``AutoTokenizer.apply_chat_template``. No dependency on ``transformers``.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as _HFTokenizer
+
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    if not path.is_file():
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _token_content(value: Any) -> str | None:
+    """A special-token entry of tokenizer_config: a string or an AddedToken dict (``{"content": ...}``)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _id_list(value: Any) -> list[int]:
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+    return []
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # transformers' override: no HTML escaping, non-ASCII kept, json.dumps defaults otherwise.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)
+
+
+def _prepare_message(message: Any) -> dict[str, Any]:
+    """Copy one chat message into the shape templates expect (as transformers prepares it, plus argument parsing).
+
+    None-valued keys are dropped; reasoning given as ``thinking``/``reasoning`` is also exposed as
+    ``reasoning_content`` (and vice versa); tool-call ``arguments`` that are a JSON object string are
+    parsed into a dict, as OpenAI clients send them, so templates render them as parameters.
+    """
+    if not isinstance(message, dict):
+        raise ValueError(f"chat messages must be dicts, got {type(message).__name__}")
+    msg = {k: v for k, v in message.items() if v is not None}
+    reasoning = next((msg[k] for k in _REASONING_FIELDS if k in msg), None)
+    if reasoning is not None:
+        msg = {"thinking": reasoning, **msg, "reasoning_content": reasoning}
+    if isinstance(msg.get("tool_calls"), list):
+        msg["tool_calls"] = [_parse_tool_call_arguments(call) for call in msg["tool_calls"]]
+    return msg
+
+
+def _parse_tool_call_arguments(call: Any) -> Any:
+    if not isinstance(call, dict):
+        return call
+    fn = call.get("function")
+    holder = fn if isinstance(fn, dict) else call
+    args = holder.get("arguments")
+    if not isinstance(args, str):
+        return call
+    try:
+        parsed = json.loads(args)
+    except json.JSONDecodeError:
+        return call
+    if not isinstance(parsed, dict):
+        return call
+    new_holder = {**holder, "arguments": parsed}
+    return {**call, "function": new_holder} if holder is fn else new_holder
+
+
+class Tokenizer:
+    """A ``tokenizers`` tokenizer plus the model directory's chat template, eos ids and special tokens."""
+
+    def __init__(
+        self,
+        tokenizer: _HFTokenizer,
+        *,
+        chat_template: str | None = None,
+        eos_token_ids: list[int] | None = None,
+        pad_token_id: int | None = None,
+        special_tokens: dict[str, str] | None = None,
+    ) -> None:
+        """Wrap a loaded ``tokenizers.Tokenizer``; ``special_tokens`` maps e.g. ``eos_token`` to its text
+        and is visible to the chat template, as in transformers. Prefer :meth:`from_dir`."""
+        self._tok = tokenizer
+        self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.chat_template: str | None = chat_template
+        self.eos_token_ids: list[int] = list(eos_token_ids or [])
+        self.pad_token_id: int | None = pad_token_id
+        self.special_tokens: dict[str, str] = dict(special_tokens or {})
+        self._compiled: jinja2.Template | None = None
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> Tokenizer:
+        """Load a Hugging Face model/tokenizer directory.
+
+        - ``tokenizer.json`` is required (ValueError naming it if absent).
+        - Chat template: ``chat_template.jinja`` if present (it takes precedence, as in transformers),
+          else ``tokenizer_config.json`` ``chat_template`` (a string, or a list of ``{name, template}``
+          from which ``default`` is used); None if neither.
+        - eos ids: ``generation_config.json`` ``eos_token_id`` (int or list), else tokenizer_config's
+          ``eos_token``, else ``config.json`` ``eos_token_id`` (top level or ``text_config``); else [].
+        - pad id: tokenizer_config's ``pad_token``, else generation_config's ``pad_token_id``; else None.
+        """
+        model_dir = Path(model_dir)
+        tok_path = model_dir / "tokenizer.json"
+        if not tok_path.is_file():
+            raise ValueError(f"tokenizer.json not found in {model_dir} (a tokenizer.json file is required)")
+        tokenizer = _HFTokenizer.from_file(str(tok_path))
+        tok_cfg = _read_json(model_dir / "tokenizer_config.json") or {}
+        gen_cfg = _read_json(model_dir / "generation_config.json") or {}
+
+        template_file = model_dir / "chat_template.jinja"
+        chat_template: str | None
+        if template_file.is_file():
+            chat_template = template_file.read_text(encoding="utf-8")
+        else:
+            chat_template = cls._template_from_config(tok_cfg.get("chat_template"))
+
+        special_tokens = {k: t for k in _SPECIAL_TOKEN_KEYS if (t := _token_content(tok_cfg.get(k))) is not None}
+
+        eos_ids = _id_list(gen_cfg.get("eos_token_id"))
+        if not eos_ids and "eos_token" in special_tokens:
+            eos_id = tokenizer.token_to_id(special_tokens["eos_token"])
+            eos_ids = [eos_id] if eos_id is not None else []
+        if not eos_ids:
+            model_cfg = _read_json(model_dir / "config.json") or {}
+            eos_ids = _id_list(model_cfg.get("eos_token_id"))
+            if not eos_ids and isinstance(model_cfg.get("text_config"), dict):
+                eos_ids = _id_list(model_cfg["text_config"].get("eos_token_id"))
+
+        pad_id = tokenizer.token_to_id(special_tokens["pad_token"]) if "pad_token" in special_tokens else None
+        if pad_id is None:
+            pad_ids = _id_list(gen_cfg.get("pad_token_id"))
+            pad_id = pad_ids[0] if pad_ids else None
+
+        return cls(
+            tokenizer,
+            chat_template=chat_template,
+            eos_token_ids=eos_ids,
+            pad_token_id=pad_id,
+            special_tokens=special_tokens,
+        )
+
+    @staticmethod
+    def _template_from_config(value: Any) -> str | None:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list):
+            for entry in value:
+                if isinstance(entry, dict) and entry.get("name") == "default":
+                    return entry.get("template")
+        return None
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``; added tokens written in the text (``<|im_start|>``...) become their ids."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        """Text of ``ids``; incomplete UTF-8 sequences decode to U+FFFD."""
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, tok: str) -> int | None:
+        """Id of a vocabulary or added token string, None if unknown."""
+        return self._tok.token_to_id(tok)
+
+    def id_to_token(self, i: int) -> str | None:
+        """The token string (byte-level form for BPE tokens) of id ``i``, None if out of range."""
+        return self._tok.id_to_token(i)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        enable_thinking: bool | None = None,
+        **kwargs: Any,
+    ) -> str:
+        """Render ``messages`` (OpenAI-style dicts) with the chat template into the prompt text.
+
+        Matches ``transformers`` ``apply_chat_template(..., tokenize=False)``: sandboxed jinja2 with
+        trim_blocks/lstrip_blocks, ``raise_exception``, ``tojson`` and ``strftime_now``; the template sees
+        ``messages``, ``tools``, ``add_generation_prompt``, the special tokens (``eos_token``...), any extra
+        ``kwargs`` and ``enable_thinking`` when not None. Messages are prepared as transformers does
+        (None values dropped, reasoning aliases) and JSON-string tool-call arguments are parsed to dicts.
+        Raises ValueError if there is no template or rendering fails (the template's message included).
+        """
+        if self.chat_template is None:
+            raise ValueError("this tokenizer has no chat template")
+        prepared = [_prepare_message(m) for m in messages]
+        context: dict[str, Any] = {**self.special_tokens, **kwargs}
+        if enable_thinking is not None:
+            context["enable_thinking"] = enable_thinking
+        try:
+            if self._compiled is None:
+                self._compiled = _compile_template(self.chat_template)
+            return self._compiled.render(
+                messages=prepared, tools=tools, add_generation_prompt=add_generation_prompt, **context
+            )
+        except Exception as e:  # template errors and any type errors the template hits on bad input
+            raise ValueError(f"chat template error: {e}") from e
+
+    def to_json_str(self) -> str:
+        """The tokenizer serialized as tokenizer.json text (what llguidance consumes)."""
+        return self._tok.to_str()
+
+
+# Prompt tokens kept as decoding context (vLLM uses the same window).
+_PROMPT_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    """Streaming detokenizer that never emits a partial UTF-8 character.
+
+    Uses the prefix/read-offset technique: each new token decodes a short window of tokens starting
+    at the last emitted character boundary, and the text past the already-emitted part is returned
+    once it no longer ends in U+FFFD (an incomplete character). Work per token is O(window), not
+    O(sequence). The concatenation of all :meth:`push` results and :meth:`flush` equals
+    ``tokenizer.decode(pushed_ids, skip_special_tokens)`` (``prompt_ids`` only supply context; their
+    last few tokens are decoded with the window and their text is never returned).
+    """
+
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None, skip_special_tokens: bool = False
+    ) -> None:
+        """Start a stream; ``prompt_ids`` are the tokens that precede the first pushed token."""
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = list(prompt_ids[-_PROMPT_CONTEXT_TOKENS:]) if prompt_ids else []
+        self._prefix = 0  # start of the decode window (a character boundary already emitted)
+        self._read = len(self._ids)  # tokens before this index have had their text emitted
+
+    def _pending(self) -> tuple[str, str]:
+        ids = self._ids
+        emitted = self._tok.decode(ids[self._prefix : self._read], self._skip)
+        window = self._tok.decode(ids[self._prefix :], self._skip)
+        return emitted, window
+
+    def _advance(self) -> None:
+        del self._ids[: self._read]
+        self._prefix = 0
+        self._read = len(self._ids)
+
+    def push(self, token_ids: list[int]) -> str:
+        """Add tokens; return the newly completed text (possibly empty)."""
+        out: list[str] = []
+        for tok in token_ids:
+            self._ids.append(tok)
+            emitted, window = self._pending()
+            if len(window) > len(emitted) and not window.endswith("\ufffd"):
+                out.append(window[len(emitted) :])
+                self._advance()
+        return "".join(out)
+
+    def flush(self) -> str:
+        """End of stream: return any held-back text, including U+FFFD for a trailing incomplete character."""
+        emitted, window = self._pending()
+        self._read = len(self._ids)
+        self._advance()
+        return window[len(emitted) :]

@@ -1,0 +1,352 @@
+"""Prometheus metrics for nextn: the only module that creates Prometheus objects.
+
+``ServingMetrics`` owns a private ``CollectorRegistry`` (never the process-global one), so two servers in
+one process, or a test, never share series. The server feeds it and serves ``render()`` at ``/metrics``.
+
+Schema: vLLM's (``reference/serving-anchors.md`` §1) under the ``nextn_`` prefix, because Prometheus
+reserves ':' for recording rules and ``promtool check metrics`` rejects it in exported names. Every
+series carries ``model_name`` (the served model name) and ``engine="0"`` (vLLM's per-engine label, so
+vLLM dashboards' label matchers keep working).
+
+Spec-decode counters (registered only when ``num_spec_tokens`` K > 0; fed from ``SpecTelemetry`` deltas):
+
+====================================================================  ============================
+``nextn_spec_decode_num_drafts_total``                                 verify rounds (``rounds``)
+``nextn_spec_decode_num_draft_tokens_total``                           ``drafted``
+``nextn_spec_decode_num_accepted_tokens_total``                        ``accepted`` (bonus excluded)
+``nextn_spec_decode_num_accepted_tokens_per_pos_total{position="j"}``  ``pos_accepted[j]``
+``nextn_spec_decode_num_drafted_tokens_per_pos_total{position="j"}``   ``pos_drafted[j]`` (nextn extra)
+====================================================================  ============================
+
+Per-position children exist at 0 from startup for positions ``0..min(K, 8)-1`` (as vLLM pre-creates
+them) so ``rate()`` has a baseline; a position >= K that later receives data is created then. Positions
+are capped at ``SPEC_TELEM_POS`` = 8, the length of the telemetry arrays.
+
+Serving metrics: counters ``nextn_prompt_tokens_total``, ``nextn_generation_tokens_total``,
+``nextn_request_success_total{finished_reason=stop|length|abort|error}`` (all four pre-created); gauges
+``nextn_num_requests_running``, ``nextn_num_requests_waiting``; histograms (vLLM's default buckets,
+``vllm/v1/metrics/buckets.py``) ``nextn_time_to_first_token_seconds``,
+``nextn_inter_token_latency_seconds``, ``nextn_e2e_request_latency_seconds``,
+``nextn_request_queue_time_seconds``; and ``nextn_grammar_compile_seconds`` (nextn's own; vLLM has no
+such metric; buckets ``GRAMMAR_COMPILE_BUCKETS``: 1 ms .. 30 s on a 1-2.5-5 ladder, because llguidance
+compiles typical JSON schemas in milliseconds while large tool schemas can take seconds, and the
+server caps compilation well below a minute).
+
+Derived values (PromQL; add ``sum by (model_name)`` for several engines/models, pick any window):
+
+- draft acceptance rate::
+
+    rate(nextn_spec_decode_num_accepted_tokens_total[5m]) / rate(nextn_spec_decode_num_draft_tokens_total[5m])
+
+- mean acceptance length (tokens per verify round, bonus included)::
+
+    1 + rate(nextn_spec_decode_num_accepted_tokens_total[5m]) / rate(nextn_spec_decode_num_drafts_total[5m])
+
+- per-position acceptance, vLLM/llama.cpp style (unconditional survival P(A >= j+1))::
+
+    rate(nextn_spec_decode_num_accepted_tokens_per_pos_total[5m])
+      / ignoring(position) group_left rate(nextn_spec_decode_num_drafts_total[5m])
+
+- per-position acceptance, memra style (conditional on position j having been drafted)::
+
+    rate(nextn_spec_decode_num_accepted_tokens_per_pos_total[5m])
+      / rate(nextn_spec_decode_num_drafted_tokens_per_pos_total[5m])
+
+The two per-position rates agree when every round drafts exactly K and diverge under p-min cuts or
+grammar truncation. ``metrics.derived.derived`` computes the same quantities from one telemetry value.
+
+``compat_vllm=True`` (``--metrics-compat vllm``) additionally exposes the families vLLM has under its
+``vllm:`` names (``vllm:spec_decode_num_drafts_total``, ``vllm:spec_decode_num_draft_tokens_total``,
+``vllm:spec_decode_num_accepted_tokens_total``, ``vllm:spec_decode_num_accepted_tokens_per_pos_total``,
+``vllm:prompt_tokens_total``, ``vllm:generation_tokens_total``, ``vllm:request_success_total``,
+``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:time_to_first_token_seconds``,
+``vllm:inter_token_latency_seconds``, ``vllm:e2e_request_latency_seconds``,
+``vllm:request_queue_time_seconds``), so stock vLLM dashboards and ``vllm bench serve`` (which sums
+lines starting ``vllm:spec_decode`` that end in ``_total``) read them. The alias is a custom collector
+that re-reads the ``nextn_`` collectors at scrape time, so the two name sets cannot drift. It emits no
+``_created`` samples (a ``vllm:spec_decode_*_created`` line would be summed by naive scrapers), and it
+omits nextn-only families (drafted-per-position, grammar compile) so vLLM tooling sees only vLLM's
+schema. This mode is knowingly NOT promtool-clean: ``promtool check metrics`` fails on every ``vllm:``
+name ("metric names should not contain ':'"); the default mode passes it.
+
+Consistency: ``add_spec`` and ``render`` share a lock, so one scrape never shows half of a delta (e.g.
+drafts updated but accepted not yet), and ratios computed from a single scrape are exact.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "ServingMetrics",
+    "SPEC_TELEM_POS",
+    "FINISHED_REASONS",
+    "TTFT_BUCKETS",
+    "ITL_BUCKETS",
+    "REQUEST_LATENCY_BUCKETS",
+    "GRAMMAR_COMPILE_BUCKETS",
+    "CONTENT_TYPE",
+]
+
+#: Length of SpecTelemetry's per-position arrays (must equal ``engine.spec.SPEC_TELEM_POS``; a test
+#: checks it). Kept here so that importing metrics does not import the engine (and torch).
+SPEC_TELEM_POS = 8
+
+#: ``finished_reason`` label values (vLLM's ``FinishReason`` minus ``repetition``, which nextn never
+#: produces). OpenAI's ``tool_calls``/``function_call`` finish reasons are stops.
+FINISHED_REASONS = ("stop", "length", "abort", "error")
+_FINISHED_ALIASES = {"tool_calls": "stop", "function_call": "stop"}
+
+# vLLM 0.33 defaults (vllm/v1/metrics/buckets.py), copied so dashboards' histogram_quantile matches.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+               20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                           60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+#: nextn's own (no vLLM counterpart): 1 ms .. 30 s, 1-2.5-5 ladder.
+GRAMMAR_COMPILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                           30.0)
+
+#: Content type of ``render()``'s body: the Prometheus text format 0.0.4, which every Prometheus
+#: version scrapes (prometheus_client's ``generate_latest`` writes exactly that format).
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
+
+_PREFIX = "nextn_"
+_VLLM_PREFIX = "vllm:"
+_LABELS = ("model_name", "engine")
+_ENGINE = "0"
+
+
+class _VllmAlias(Collector):
+    """Re-exposes the given nextn collectors under ``vllm:`` names at scrape time (no copies of values).
+
+    Drops ``_created`` samples: vLLM-tooling scrapers match on name prefixes and would mis-sum them.
+    """
+
+    def __init__(self, sources: Sequence[Collector]):
+        self._sources = tuple(sources)
+
+    @staticmethod
+    def _rename(name: str) -> str:
+        assert name.startswith(_PREFIX), name
+        return _VLLM_PREFIX + name[len(_PREFIX):]
+
+    def collect(self) -> Iterable[Metric]:
+        for src in self._sources:
+            for fam in src.collect():
+                out = Metric(self._rename(fam.name), fam.documentation, fam.type, fam.unit)
+                out.samples = [
+                    s._replace(name=self._rename(s.name)) for s in fam.samples if not s.name.endswith("_created")
+                ]
+                yield out
+
+    def describe(self) -> Iterable[Metric]:
+        return self.collect()
+
+
+class ServingMetrics:
+    """All of nextn's Prometheus series for one served model; thread-safe.
+
+    Contracts:
+    - ``add_spec(delta)`` adds a ``SpecTelemetry`` *delta* (the worker's stash-and-diff of a session's
+      telemetry, ``delta_since``), so the counters' increase equals the sum of the deltas fed, exactly.
+      Feeding cumulative values instead would double count; that is the caller's contract.
+    - Spec families are registered iff ``num_spec_tokens > 0``; with K == 0, ``add_spec`` of an all-zero
+      delta is a no-op and a non-zero one is dropped with a warning (it cannot happen when the engine
+      does not speculate).
+    - Counters never decrease: a negative value anywhere in a call raises ``ValueError`` before any
+      series is touched, so a rejected delta leaves every counter unchanged.
+    - ``render()`` returns ``(body, content_type)`` for the ``/metrics`` response.
+    """
+
+    def __init__(self, model_name: str, num_spec_tokens: int, *, compat_vllm: bool = False):
+        if num_spec_tokens < 0:
+            raise ValueError(f"num_spec_tokens must be >= 0, got {num_spec_tokens}")
+        self.model_name = model_name
+        self.num_spec_tokens = int(num_spec_tokens)
+        self.compat_vllm = compat_vllm
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._lock = threading.Lock()
+        self._warned_spec_off = False
+        lv = (model_name, _ENGINE)
+        reg = self.registry
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(_PREFIX + name, doc, _LABELS + extra, registry=reg)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(_PREFIX + name, doc, _LABELS, registry=reg)
+
+        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
+            return Histogram(_PREFIX + name, doc, _LABELS, buckets=buckets, registry=reg)
+
+        aliased: list[Collector] = []
+
+        # Speculative decoding (vLLM SpecDecodingProm names and help texts, plus drafted-per-position).
+        self._spec: dict[str, Any] | None = None
+        if self.num_spec_tokens > 0:
+            drafts = counter("spec_decode_num_drafts", "Number of spec decoding drafts.")
+            draft_tokens = counter("spec_decode_num_draft_tokens", "Number of draft tokens.")
+            accepted = counter("spec_decode_num_accepted_tokens", "Number of accepted tokens.")
+            acc_pos = counter("spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
+                              ("position",))
+            dr_pos = counter("spec_decode_num_drafted_tokens_per_pos",
+                             "Drafted tokens per draft position (rounds that drafted at least position+1 "
+                             "tokens); denominator of the memra per-position acceptance rate.", ("position",))
+            self._spec = {
+                "rounds": drafts.labels(*lv),
+                "drafted": draft_tokens.labels(*lv),
+                "accepted": accepted.labels(*lv),
+                "pos_accepted": acc_pos,
+                "pos_drafted": dr_pos,
+            }
+            for j in range(min(self.num_spec_tokens, SPEC_TELEM_POS)):
+                acc_pos.labels(*lv, str(j))
+                dr_pos.labels(*lv, str(j))
+            aliased += [drafts, draft_tokens, accepted, acc_pos]
+
+        prompt = counter("prompt_tokens", "Number of prefill tokens processed.")
+        generation = counter("generation_tokens", "Number of generation tokens processed.")
+        success = counter("request_success", "Count of successfully processed requests.", ("finished_reason",))
+        running = gauge("num_requests_running", "Number of requests in model execution batches.")
+        waiting = gauge("num_requests_waiting", "Number of requests waiting to be processed.")
+        ttft = histogram("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                         TTFT_BUCKETS)
+        itl = histogram("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                        ITL_BUCKETS)
+        e2e = histogram("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                        REQUEST_LATENCY_BUCKETS)
+        queue = histogram("request_queue_time_seconds",
+                          "Histogram of time spent in WAITING phase for request.", REQUEST_LATENCY_BUCKETS)
+        grammar = histogram("grammar_compile_seconds",
+                            "Histogram of grammar (response_format/tools) compile time in seconds.",
+                            GRAMMAR_COMPILE_BUCKETS)
+        aliased += [prompt, generation, success, running, waiting, ttft, itl, e2e, queue]
+
+        self._prompt = prompt.labels(*lv)
+        self._generation = generation.labels(*lv)
+        self._success = {r: success.labels(*lv, r) for r in FINISHED_REASONS}
+        self._running = running.labels(*lv)
+        self._waiting = waiting.labels(*lv)
+        self._ttft = ttft.labels(*lv)
+        self._itl = itl.labels(*lv)
+        self._e2e = e2e.labels(*lv)
+        self._queue = queue.labels(*lv)
+        self._grammar = grammar.labels(*lv)
+
+        if compat_vllm:
+            reg.register(_VllmAlias(aliased))
+
+    # -- speculative decoding -------------------------------------------------------------------------
+
+    def add_spec(self, delta: Any) -> None:
+        """Add one ``SpecTelemetry`` delta (``rounds, drafted, accepted, pos_drafted[8], pos_accepted[8]``).
+
+        Per-position entries beyond ``SPEC_TELEM_POS`` must be zero (ValueError otherwise); zero entries at
+        positions >= K create no series.
+        """
+        rounds, drafted, accepted = int(delta.rounds), int(delta.drafted), int(delta.accepted)
+        pos_drafted = [int(v) for v in delta.pos_drafted]
+        pos_accepted = [int(v) for v in delta.pos_accepted]
+        values = (rounds, drafted, accepted, *pos_drafted, *pos_accepted)
+        if any(v < 0 for v in values):
+            raise ValueError(f"spec telemetry delta has a negative field: {delta!r}")
+        if any(pos_drafted[SPEC_TELEM_POS:]) or any(pos_accepted[SPEC_TELEM_POS:]):
+            raise ValueError(f"spec telemetry delta has data beyond position {SPEC_TELEM_POS - 1}: {delta!r}")
+        if not any(values):
+            return
+        if self._spec is None:
+            if not self._warned_spec_off:
+                self._warned_spec_off = True
+                log.warning("spec telemetry received with speculation off (num_spec_tokens=0); dropped")
+            return
+        s = self._spec
+        lv = (self.model_name, _ENGINE)
+        with self._lock:
+            if rounds:
+                s["rounds"].inc(rounds)
+            if drafted:
+                s["drafted"].inc(drafted)
+            if accepted:
+                s["accepted"].inc(accepted)
+            for key, arr in (("pos_drafted", pos_drafted), ("pos_accepted", pos_accepted)):
+                for j, v in enumerate(arr[:SPEC_TELEM_POS]):
+                    if v:
+                        s[key].labels(*lv, str(j)).inc(v)
+
+    # -- tokens, queue, outcomes ----------------------------------------------------------------------
+
+    @staticmethod
+    def _nonneg(n: float, what: str) -> float:
+        if n < 0:
+            raise ValueError(f"{what} must be >= 0, got {n}")
+        return n
+
+    def add_prompt_tokens(self, n: int) -> None:
+        """Prompt tokens prefilled (count each request's prompt once, when it is admitted)."""
+        if self._nonneg(n, "prompt tokens"):
+            self._prompt.inc(n)
+
+    def add_generation_tokens(self, n: int) -> None:
+        """Generated (emitted) tokens; under speculation one round adds accepted + 1."""
+        if self._nonneg(n, "generation tokens"):
+            self._generation.inc(n)
+
+    def set_running(self, n: int) -> None:
+        """Sessions admitted to the worker (prefilled, decoding)."""
+        self._running.set(self._nonneg(n, "running requests"))
+
+    def set_waiting(self, n: int) -> None:
+        """Requests in the admission queue, not yet prefilled."""
+        self._waiting.set(self._nonneg(n, "waiting requests"))
+
+    def request_finished(self, finished_reason: str) -> None:
+        """One finished request: ``stop|length|abort|error`` (``tool_calls``/``function_call`` count as
+        ``stop``). Any other value raises ``ValueError`` (label cardinality stays fixed)."""
+        reason = _FINISHED_ALIASES.get(finished_reason, finished_reason)
+        child = self._success.get(reason)
+        if child is None:
+            raise ValueError(f"unknown finished_reason {finished_reason!r}; expected one of {FINISHED_REASONS}")
+        child.inc()
+
+    # -- latencies (seconds; pass differences of time.monotonic()/perf_counter()) ---------------------
+
+    def observe_ttft(self, s: float) -> None:
+        """Arrival -> first generated token sent."""
+        self._ttft.observe(s)
+
+    def observe_itl(self, s: float) -> None:
+        """Gap between consecutive token emissions of one request. vLLM semantics: one sample per
+        emission (a spec burst emitting several tokens is one sample, not divided by tokens)."""
+        self._itl.observe(s)
+
+    def observe_e2e(self, s: float) -> None:
+        """Arrival -> last token/finish."""
+        self._e2e.observe(s)
+
+    def observe_queue_time(self, s: float) -> None:
+        """Arrival in the admission queue -> admitted by the worker (start of prefill)."""
+        self._queue.observe(s)
+
+    def observe_grammar_compile(self, s: float) -> None:
+        """One grammar compilation (cache misses only)."""
+        self._grammar.observe(s)
+
+    # -- exposition -----------------------------------------------------------------------------------
+
+    def render(self) -> tuple[bytes, str]:
+        """``(body, content_type)``: the registry in Prometheus text format 0.0.4."""
+        with self._lock:
+            body = generate_latest(self.registry)
+        return body, CONTENT_TYPE

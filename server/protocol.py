@@ -1,0 +1,287 @@
+"""OpenAI API shapes (pydantic): requests, responses, stream chunks, usage and errors.
+
+Mirrors openai-python's types (`reference/serving-anchors.md` §4), fields in the official order. Requests
+allow unknown fields; the server ignores them and logs one line naming them (`ignored_fields`).
+Server extras that are not OpenAI fields (vLLM's spelling) are fenced under "nextn extras" below each
+request and documented with `Field(description=...)`.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine.spec import SpecSampling
+
+#: `top_logprobs` / completions `logprobs` upper bound (OpenAI's own limit is 20).
+MAX_TOP_LOGPROBS = 20
+
+
+def _omit_none(v: Any) -> bool:
+    return v is None
+
+
+def random_id(prefix: str) -> str:
+    """An OpenAI-style object id, e.g. ``chatcmpl-3f9c...``."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class OpenAIBaseModel(BaseModel):
+    """Request base: unknown fields are kept (so they can be named in a log line) and otherwise ignored."""
+
+    model_config = ConfigDict(extra="allow")
+
+    def ignored_fields(self, prefix: str = "") -> list[str]:
+        """Dotted names of every unknown field, here and in nested request models."""
+        out = [prefix + k for k in (self.model_extra or {})]
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            items = value if isinstance(value, list) else [value]
+            for i, item in enumerate(items):
+                if isinstance(item, OpenAIBaseModel):
+                    sub = f"{name}.{i}." if isinstance(value, list) else f"{name}."
+                    out += item.ignored_fields(prefix + sub)
+        return out
+
+
+# ---------------------------------------------------------------------------------------------- requests
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool | None = False
+
+
+class ResponseFormat(OpenAIBaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class ContentPart(OpenAIBaseModel):
+    """One part of a list-valued message `content`; only ``text`` parts can be served (checked later)."""
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: Literal["developer", "system", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+class _SamplingFields(OpenAIBaseModel):
+    """Sampling fields shared by both endpoints, with their OpenAI defaults and ranges."""
+
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    n: int = Field(1, ge=1, le=128)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    user: str | None = None
+    # --- nextn extras (vLLM's names) ---
+    top_k: int = Field(0, ge=-1, description="sample from the k most likely tokens; 0 or -1 = all")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="drop tokens below min_p * the top probability")
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0, description="CTRL-style penalty; 1 = off")
+    ignore_eos: bool = Field(False, description="keep generating past EOS until max_tokens")
+    return_token_ids: bool = Field(False, description="also return prompt_token_ids and token_ids (vLLM)")
+
+    def to_sampling(self) -> SpecSampling:
+        """The engine's sampling parameters (temperature 0 is the exact greedy path)."""
+        return SpecSampling(temperature=self.temperature, seed=self.seed, top_k=max(self.top_k, 0),
+                            top_p=self.top_p, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+                            frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty)
+
+    def stop_strings(self) -> list[str]:
+        """`stop` as a list without empty strings."""
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        return [s for s in stops if s]
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    model: str
+    logprobs: bool = False
+    max_completion_tokens: int | None = None
+    max_tokens: int | None = Field(None, description="deprecated alias of max_completion_tokens")
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # --- nextn extras ---
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="template switches; `enable_thinking` (bool) is passed to the chat template")
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Top alternatives to record per token (None = logprobs off)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionRequest(_SamplingFields):
+    model: str
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    max_tokens: int | None = 16
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+
+# --------------------------------------------------------------------------------------------- responses
+
+
+class SpecUsage(BaseModel):
+    """Speculative-decoding telemetry of one request (all its choices); nextn extra in `usage`."""
+
+    rounds: int
+    drafted: int
+    accepted: int
+    acceptance_rate: float = Field(description="accepted / drafted (0 when nothing was drafted)")
+    pos_drafted: list[int] = Field(description="per draft position j < K: rounds that drafted position j")
+    pos_accepted: list[int] = Field(description="per draft position j < K: rounds that accepted position j")
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    spec: SpecUsage | None = Field(None, exclude_if=_omit_none, description="absent when speculation is off")
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+    refusal: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    refusal: str | None = None
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None
+    token_ids: list[int] | None = Field(None, exclude_if=_omit_none)
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+    prompt_token_ids: list[int] | None = Field(None, exclude_if=_omit_none)
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = Field(None, exclude_if=_omit_none)
+    content: str | None = Field(None, exclude_if=_omit_none)
+
+
+class ChatCompletionStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+    token_ids: list[int] | None = Field(None, exclude_if=_omit_none)
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    system_fingerprint: str | None = None
+    usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = Field(None, exclude_if=_omit_none)
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None
+    prompt_token_ids: list[int] | None = Field(None, exclude_if=_omit_none)
+    token_ids: list[int] | None = Field(None, exclude_if=_omit_none)
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None
+    system_fingerprint: str | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "nextn"
+    root: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+

@@ -1,0 +1,269 @@
+"""The device worker: one thread owns the model and runs every `SpecSession`.
+
+Requests reach it as `Job`s (one per choice) through a bounded admission queue. The loop admits jobs
+up to `max_num_seqs` active sessions, then gives the active sessions one burst each, round-robin
+(`sess.step(max_rounds=burst_rounds)`), and publishes each burst to the job's asyncio queue on the
+server's event loop (`loop.call_soon_threadsafe`). Telemetry is stash-and-diff per burst: the delta
+goes both to the Prometheus metrics and to the job's own `telem`, so the sum of the requests'
+`usage.spec` equals the counters' increase. A session that raises fails its own job only; the loop
+goes on. Sessions that finish or whose job was cancelled are closed (caches freed) at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.spec import SpecSampling, SpecSession, SpecTelemetry
+from metrics.prometheus import ServingMetrics
+
+log = logging.getLogger("nextn.worker")
+
+
+class QueueFull(Exception):
+    """The admission queue cannot take the job(s) now (HTTP 429)."""
+
+
+class Draining(Exception):
+    """The worker no longer admits work: it is draining for shutdown (HTTP 503)."""
+
+
+@dataclass
+class JobEvent:
+    """What one burst of a job produced. `done` marks the job's last event; then `finish_reason` is
+    "stop"/"length" (or the cancel reason), `error` is set when the session raised, and `telem` is the
+    job's final telemetry."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[Any] | None = None
+    done: bool = False
+    finish_reason: str | None = None
+    error: BaseException | None = None
+    telem: SpecTelemetry | None = None
+
+
+@dataclass(eq=False)
+class Job:
+    """One session's worth of work (a request with n choices submits n jobs).
+
+    Created on the event loop; the worker reads the inputs and calls `publish`; `cancel` may be called
+    from the event loop at any time (the worker drops the session before its next burst).
+    """
+
+    index: int
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: SpecSampling
+    eos_ids: Sequence[int]
+    logprobs: int | None
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue[JobEvent]
+    arrival: float = field(default_factory=time.monotonic)
+    telem: SpecTelemetry = field(default_factory=SpecTelemetry)
+    cancel_reason: str | None = None
+
+    def cancel(self, reason: str = "abort") -> None:
+        """Ask the worker to drop this job; `reason` ("stop" for a stop string, "abort" for a client that
+        left) is what metrics record. The job still gets a final `done` event."""
+        if self.cancel_reason is None:
+            self.cancel_reason = reason
+
+    def publish(self, event: JobEvent) -> None:
+        """Hand `event` to the event loop (thread-safe); dropped when the loop has already closed."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+
+@dataclass(eq=False)
+class _Active:
+    job: Job
+    sess: SpecSession
+    last_emit: float | None = None
+
+
+SessionFactory = Callable[..., SpecSession]
+
+
+class Worker:
+    """Owns the model; `submit` from the event loop, everything else happens on the worker thread.
+
+    `session_factory` builds a session with `SpecSession`'s signature (tests inject failures here).
+    """
+
+    def __init__(self, model: Any, metrics: ServingMetrics, *, k: int, p_min: float, capmax: int,
+                 burst_rounds: int, max_num_seqs: int, max_queue: int,
+                 session_factory: SessionFactory = SpecSession) -> None:
+        self.model = model
+        self.metrics = metrics
+        self.k, self.p_min, self.capmax = k, p_min, capmax
+        self.burst_rounds = burst_rounds
+        self.max_num_seqs = max_num_seqs
+        self.max_queue = max_queue
+        self.session_factory = session_factory
+        self._cv = threading.Condition()
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._active: collections.deque[_Active] = collections.deque()
+        self._draining = False
+        self._stopping = False
+        self._busy = False  # the worker holds jobs outside the two queues (admitting or bursting)
+        self._thread = threading.Thread(target=self._run, name="nextn-worker", daemon=True)
+
+    # -- event-loop side -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, jobs: Sequence[Job]) -> None:
+        """Queue all of `jobs` or none. Raises `Draining` or `QueueFull`."""
+        with self._cv:
+            if self._draining or self._stopping:
+                raise Draining("the server is shutting down")
+            if len(self._waiting) + len(jobs) > self.max_queue:
+                raise QueueFull(f"the admission queue is full ({self.max_queue} waiting)")
+            self._waiting.extend(jobs)
+            self.metrics.set_waiting(len(self._waiting))
+            self._cv.notify()
+
+    @property
+    def num_active(self) -> int:
+        """Sessions that hold caches now."""
+        return len(self._active)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def begin_drain(self) -> None:
+        """Stop admitting new submissions; queued and active jobs still run to completion."""
+        with self._cv:
+            self._draining = True
+            self._cv.notify_all()
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until nothing is queued or active; False on timeout."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not (self._waiting or self._active or self._busy), timeout)
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop the thread; jobs still queued or active get an "abort" `done` event."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # -- worker thread -------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._stopping or self._waiting or self._active)
+                if self._stopping:
+                    break
+                free = self.max_num_seqs - len(self._active)
+                admitted = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
+                self._busy = True
+            sessions = [a for a in map(self._admit, admitted) if a is not None]
+            with self._cv:
+                self._active.extendleft(reversed(sessions))  # new sessions prefill first (time to first token)
+                cancelled = [a for a in self._active if a.job.cancel_reason is not None]
+                for a in cancelled:
+                    self._active.remove(a)
+                head = self._active[0] if self._active else None
+            for a in cancelled:  # a stop string or a client that left: free the caches now
+                self._retire(a, a.job.cancel_reason)
+            keep = head is not None and self._burst(head)
+            with self._cv:
+                if head is not None:
+                    if keep:
+                        self._active.rotate(-1)
+                    else:
+                        self._active.popleft()
+                self._busy = False
+                self.metrics.set_running(len(self._active))
+                self.metrics.set_waiting(len(self._waiting))
+                self._cv.notify_all()  # wait_idle
+        for a in self._active:
+            a.job.cancel("abort")
+            self._retire(a, "abort")
+        self._active.clear()
+        while self._waiting:
+            self._finish(self._waiting.popleft(), "abort")
+
+    def _admit(self, job: Job) -> _Active | None:
+        """Start a session for `job`; None when the job was cancelled while waiting or failed to start."""
+        self.metrics.observe_queue_time(time.monotonic() - job.arrival)
+        if job.cancel_reason is not None:
+            self._finish(job, job.cancel_reason)
+            return None
+        try:
+            sess = self.session_factory(self.model, job.prompt_ids, job.max_new_tokens, k=self.k,
+                                        sampling=job.sampling, constraint=None, eos_ids=list(job.eos_ids),
+                                        p_min=self.p_min, capmax=self.capmax, logprobs=job.logprobs)
+        except Exception as e:  # noqa: BLE001 - a bad session fails its own request only
+            log.exception("creating a session failed")
+            self._finish(job, "error", error=e)
+            return None
+        self.metrics.add_prompt_tokens(len(job.prompt_ids))
+        return _Active(job, sess)
+
+    def _burst(self, a: _Active) -> bool:
+        """Run one burst of `a`; True if it stays active."""
+        job, sess = a.job, a.sess
+        prev = sess.telem.copy()
+        n_before = len(sess.emitted)
+        t0 = time.monotonic()
+        try:
+            new_ids = list(sess.step(max_rounds=self.burst_rounds))
+        except Exception as e:  # noqa: BLE001 - a session that raises fails its own request only
+            log.exception("session step failed")
+            self._retire(a, "error", error=e)
+            return False
+        t1 = time.monotonic()
+        delta = sess.telem.delta_since(prev)
+        self.metrics.add_spec(delta)
+        job.telem.merge(delta)
+        if new_ids:
+            self.metrics.add_generation_tokens(len(new_ids))
+            if a.last_emit is None:
+                self.metrics.observe_ttft(t1 - job.arrival)
+            else:
+                for _ in new_ids:
+                    self.metrics.observe_itl((t1 - a.last_emit) / len(new_ids))
+            a.last_emit = t1
+            lps = list(sess.logprobs[n_before:n_before + len(new_ids)]) if job.logprobs is not None else None
+            job.publish(JobEvent(job.index, new_ids, lps))
+        log.debug("burst job=%d tokens=%d %.1f ms", job.index, len(new_ids), (t1 - t0) * 1e3)
+        if sess.finished or not new_ids:
+            self._retire(a, sess.finish_reason or "stop")
+            return False
+        return True
+
+    def _retire(self, a: _Active, reason: str, error: BaseException | None = None) -> None:
+        try:
+            a.sess.close()
+        except Exception:  # noqa: BLE001 - freeing must not take the worker down
+            log.exception("closing a session failed")
+        self._finish(a.job, reason, error=error)
+
+    def _finish(self, job: Job, reason: str, error: BaseException | None = None) -> None:
+        self.metrics.request_finished(reason)
+        if reason in ("stop", "length") and error is None:
+            self.metrics.observe_e2e(time.monotonic() - job.arrival)
+        job.publish(JobEvent(job.index, [], done=True, finish_reason=reason, error=error, telem=job.telem))

@@ -64,7 +64,7 @@ class ServeSettings(BaseModel):
     max_num_seqs: int = Field(8, ge=1, description="sessions decoded concurrently (round-robin bursts)")
     max_queue: int = Field(64, ge=1, description="sessions waiting for a slot before requests get 429")
     burst_rounds: int = Field(4, ge=1, description="verify rounds one session runs before the next gets a turn")
-    api_key: str | None = Field(None, min_length=1, description="require `Authorization: Bearer KEY` on /v1/*")
+    api_key: str | None = Field(None, min_length=1, description="require `Authorization: Bearer KEY` on /v1/* (default: no key)")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available, else cpu")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="auto = float32 on cpu, the checkpoint's dtype on cuda")

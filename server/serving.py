@@ -20,7 +20,7 @@ from typing import Any
 from engine.spec import SpecTelemetry, TokenLogprob
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from server import protocol as p
-from server.worker import Draining, Job, JobEvent, QueueFull, Worker
+from server.worker import Job, JobEvent, QueueFull, Unavailable, Worker
 
 log = logging.getLogger("nextn.serving")
 
@@ -230,8 +230,8 @@ class OpenAIServing:
             self.worker.submit(jobs)
         except QueueFull as e:
             raise APIError(429, str(e), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
-        except Draining as e:
-            raise APIError(503, str(e), code="draining") from None
+        except Unavailable as e:
+            raise APIError(503, str(e), code="unavailable") from None
         return Generation(jobs, choices, events)
 
     def usage(self, gen: Generation, prompt_tokens: int) -> p.UsageInfo:

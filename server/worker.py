@@ -29,8 +29,8 @@ class QueueFull(Exception):
     """The admission queue cannot take the job(s) now (HTTP 429)."""
 
 
-class Draining(Exception):
-    """The worker no longer admits work: it is draining for shutdown (HTTP 503)."""
+class Unavailable(Exception):
+    """The worker does not admit work: it is draining for shutdown, or stopped (HTTP 503)."""
 
 
 @dataclass
@@ -122,10 +122,12 @@ class Worker:
         self._thread.start()
 
     def submit(self, jobs: Sequence[Job]) -> None:
-        """Queue all of `jobs` or none. Raises `Draining` or `QueueFull`."""
+        """Queue all of `jobs` or none. Raises `Unavailable` or `QueueFull`."""
         with self._cv:
             if self._draining or self._stopping:
-                raise Draining("the server is shutting down")
+                raise Unavailable("the server is draining for shutdown")
+            if not self._thread.is_alive():
+                raise Unavailable("the worker is not running")
             if len(self._waiting) + len(jobs) > self.max_queue:
                 raise QueueFull(f"the admission queue is full ({self.max_queue} waiting)")
             self._waiting.extend(jobs)

@@ -1,0 +1,188 @@
+"""The `nextn` console script: `nextn serve [MODEL_DIR]` plus the engine's subcommands.
+
+`serve` merges its settings (config.settings: CLI > NEXTN_* env > TOML > defaults), loads the model
+with a progress bar, starts the device worker and runs uvicorn. A bad setting or an unloadable model
+exits with status 2 (settings) or 1 (model) and one line on stderr. SIGTERM drains: /ready and new
+requests get 503, admitted requests finish, then the process exits 0. SIGINT stops at once.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+import uvicorn
+
+from config.settings import (DEFAULT_CONFIG_FILE, ServeSettings, SettingsError, env_var, field_names, flag,
+                             load_settings, resolve_device, resolve_for_model)
+
+log = logging.getLogger("nextn")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage error as one line (no usage dump)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _add_serve(subparsers: argparse._SubParsersAction) -> None:
+    sp = subparsers.add_parser("serve", help="run the OpenAI-compatible server",
+                               description="Serve a Qwen3.5 checkpoint over the OpenAI API with MTP speculative "
+                                           "decoding. Each flag also reads NEXTN_<FLAG> and the [serve] table of "
+                                           "the TOML config; the command line wins.")
+    fields = ServeSettings.model_fields
+    for name in field_names():
+        f = fields[name]
+        default = "" if f.default is None else f"; default {f.default}"
+        help_ = f"{f.description} [env {env_var(name)}{default}]"
+        if name == "model_dir":
+            sp.add_argument("model_dir", nargs="?", metavar="MODEL_DIR", default=argparse.SUPPRESS, help=help_)
+        else:
+            sp.add_argument(flag(name), dest=name, metavar=name.split("_")[-1].upper(), default=argparse.SUPPRESS,
+                            help=help_)
+    sp.add_argument("--config", metavar="FILE", default=None,
+                    help=f"TOML settings file [env NEXTN_CONFIG; default {DEFAULT_CONFIG_FILE}]")
+    sp.set_defaults(func=serve)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `nextn` argument parser: `serve` and the engine's subcommands (each sets `func`)."""
+    from engine import commands
+
+    parser = _Parser(prog="nextn", description="nextn: OpenAI-compatible Qwen3.5 server with exact MTP "
+                                               "speculative decoding")
+    subparsers = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    _add_serve(subparsers)
+    commands.register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `nextn` console script; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+def _fail(status: int, message: str) -> int:
+    print(f"nextn serve: error: {message}", file=sys.stderr)
+    return status
+
+
+def serve(args: argparse.Namespace) -> int:
+    """`nextn serve`: settings -> model -> worker -> uvicorn, until SIGTERM (drain) or SIGINT."""
+    cli = {k: v for k, v in vars(args).items() if k in ServeSettings.model_fields}
+    try:
+        settings = load_settings(cli, config_file=Path(args.config) if args.config else None)
+    except SettingsError as e:
+        return _fail(2, str(e))
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    import torch
+
+    from engine.loader import CheckpointError, load_config, load_model
+    from engine.model.config import ConfigError
+    from engine.tokenizer import Tokenizer
+
+    try:
+        settings = resolve_device(settings, cuda_available=torch.cuda.is_available())
+        dtype = None if settings.dtype == "auto" else settings.dtype
+        cfg = load_config(settings.model_dir, dtype)
+        settings = resolve_for_model(settings, max_position_embeddings=cfg.max_position_embeddings,
+                                     has_mtp=cfg.has_mtp)
+    except SettingsError as e:
+        return _fail(2, str(e))
+    except (ConfigError, CheckpointError) as e:
+        return _fail(1, f"cannot load {settings.model_dir}: {e}")
+    try:
+        model = load_model(settings.model_dir, device=settings.device, dtype=dtype, progress=True)
+        tokenizer = Tokenizer.from_dir(settings.model_dir)
+    except (ConfigError, CheckpointError, ValueError, OSError) as e:
+        return _fail(1, f"cannot load {settings.model_dir}: {e}")
+    return run_server(settings, model, tokenizer)
+
+
+def build_server(settings: ServeSettings, model: Any, tokenizer: Any, **worker_kw: Any) -> "NextnServer":
+    """Wire metrics, worker, serving classes and app for resolved `settings`; the worker is started.
+    `worker_kw` is passed to `Worker` (tests inject a `session_factory`)."""
+    from metrics.prometheus import ServingMetrics
+    from server.app import build_app
+    from server.serving import ServingChat, ServingCompletion
+    from server.worker import Worker
+
+    assert settings.served_model_name is not None and settings.max_model_len is not None, "resolve settings first"
+    k = settings.num_speculative_tokens
+    metrics = ServingMetrics(settings.served_model_name, num_spec_tokens=k,
+                             compat_vllm=settings.metrics_compat == "vllm")
+    worker = Worker(model, metrics, k=k, p_min=settings.spec_draft_p_min, capmax=settings.spec_capmax,
+                    burst_rounds=settings.burst_rounds, max_num_seqs=settings.max_num_seqs,
+                    max_queue=settings.max_queue, **worker_kw)
+    common = dict(tokenizer=tokenizer, worker=worker, model_name=settings.served_model_name,
+                  max_model_len=settings.max_model_len, vocab_size=model.config.vocab_size, k=k)
+    app = build_app(serving_chat=ServingChat(**common), serving_completion=ServingCompletion(**common),
+                    worker=worker, metrics=metrics, model_root=str(settings.model_dir), api_key=settings.api_key)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None,
+                            log_level=settings.log_level, timeout_keep_alive=5)
+    worker.start()
+    return NextnServer(config, worker, settings, dtype=str(model.config.dtype).removeprefix("torch."))
+
+
+def run_server(settings: ServeSettings, model: Any, tokenizer: Any) -> int:
+    """Serve until shut down; returns the exit status (0 after a SIGTERM drain)."""
+    if settings.log_level == "info":  # uvicorn's startup chatter; our one line replaces it
+        logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
+    server = build_server(settings, model, tokenizer)
+    try:
+        server.run()
+    finally:
+        server.worker.shutdown()
+    return 0 if server.started else 1
+
+
+class NextnServer(uvicorn.Server):
+    """uvicorn.Server with nextn's signal handling: SIGTERM drains the worker before uvicorn stops;
+    SIGINT (twice: force) is uvicorn's own. Captured signals are not re-raised on exit, so a drained
+    shutdown exits 0."""
+
+    def __init__(self, config: Any, worker: Any, settings: ServeSettings, *, dtype: str) -> None:
+        super().__init__(config)
+        self.worker, self.settings, self.dtype = worker, settings, dtype
+
+    async def startup(self, sockets: list | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            s = self.settings
+            log.info("nextn serving model=%s device=%s dtype=%s K=%d url=%s", s.served_model_name, s.device,
+                self.dtype, s.num_speculative_tokens, s.url)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _on_signal(self, sig: int, frame: Any) -> None:
+        if sig == signal.SIGTERM and not self.worker.draining:
+            log.info("SIGTERM: draining %d active and %d queued session(s)", self.worker.num_active,
+                     self.worker.num_waiting)
+            self.worker.begin_drain()
+            threading.Thread(target=self._exit_when_idle, name="nextn-drain", daemon=True).start()
+        else:
+            self.handle_exit(sig, frame)
+
+    def _exit_when_idle(self) -> None:
+        self.worker.wait_idle()
+        log.info("drained; shutting down")
+        self.should_exit = True

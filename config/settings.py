@@ -7,9 +7,8 @@ This module is the only place in nextn that reads environment variables.
 Every field ``foo_bar`` is the flag ``--foo-bar``, the variable ``NEXTN_FOO_BAR`` and the TOML key
 ``foo_bar`` in the ``[serve]`` table (``model_dir`` is the positional ``MODEL_DIR`` on the command line).
 A bad value from any source raises ``SettingsError`` whose message is one line naming the setting,
-the value and where it came from. Values left on ``auto`` are resolved by ``resolve_device`` (before
-the model loads) and ``resolve_for_model`` (from the checkpoint's config); every such automatic
-choice is logged.
+the value and where it came from. Values left on ``auto`` (or unset) are resolved by ``resolve`` from the
+machine and the checkpoint's config; the caller logs every such automatic choice.
 """
 from __future__ import annotations
 
@@ -166,51 +165,53 @@ def load_settings(cli: Mapping[str, Any], *, config_file: Path | None = None,
 
 
 def _one_line(err: ValidationError, values: Mapping[str, Any], source: Mapping[str, str]) -> str:
-    first = err.errors()[0]
+    """The first error as one line, preferring values that were given over defaults."""
+    errors = sorted(err.errors(), key=lambda e: not (e["loc"] and e["loc"][0] in values))
+    first = errors[0]
     msg = first["msg"].removeprefix("Value error, ")
-    more = f" (and {err.error_count() - 1} more)" if err.error_count() > 1 else ""
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
     if not first["loc"]:  # a cross-field rule
         return f"invalid settings: {msg}{more}"
     key = str(first["loc"][0])
-    return f"invalid value {values.get(key)!r} for {source.get(key, key)}: {msg}{more}"
+    if key not in values:
+        return f"invalid default {flag(key)}: {msg}{more}"
+    return f"invalid value {values[key]!r} for {source[key]}: {msg}{more}"
 
 
-def resolve_device(settings: ServeSettings, *, cuda_available: bool) -> ServeSettings:
-    """Replace ``device``/``dtype`` ``auto`` by concrete choices (logged); ``dtype`` stays ``auto`` on
-    cuda, meaning the checkpoint's own dtype. Raises `SettingsError` for ``--device cuda`` without CUDA."""
+def resolve(settings: ServeSettings, *, cuda_available: bool, max_position_embeddings: int,
+            has_mtp: bool) -> tuple[ServeSettings, list[tuple[int, str]]]:
+    """Replace the automatic values by concrete ones, from the machine and the checkpoint's config.
+
+    device auto -> cuda when available, else cpu; dtype auto -> float32 on cpu (on cuda it stays auto:
+    the checkpoint's dtype); served_model_name -> MODEL_DIR's name; max_model_len ->
+    min(max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP); K -> 0 when the checkpoint has no MTP
+    weights. Returns the new settings and one (log level, message) note per automatic choice, for the
+    caller to log once everything is valid. Raises `SettingsError` for ``--device cuda`` without CUDA
+    or a max_model_len above max_position_embeddings.
+    """
     update: dict[str, Any] = {}
+    notes: list[tuple[int, str]] = []
+
+    def choose(name: str, value: Any, why: str, level: int = logging.INFO) -> None:
+        update[name] = value
+        notes.append((level, f"{name} {getattr(settings, name)} -> {value} ({why})"))
+
     device = settings.device
     if device == "auto":
-        device = update["device"] = "cuda" if cuda_available else "cpu"
-        log.info("device auto -> %s", device)
+        device = "cuda" if cuda_available else "cpu"
+        choose("device", device, "CUDA available" if cuda_available else "no CUDA")
     elif device == "cuda" and not cuda_available:
         raise SettingsError("--device cuda was requested but CUDA is not available")
     if settings.dtype == "auto" and device == "cpu":
-        update["dtype"] = "float32"
-        log.info("dtype auto -> float32 (cpu)")
-    return settings.model_copy(update=update)
-
-
-def resolve_for_model(settings: ServeSettings, *, max_position_embeddings: int, has_mtp: bool) -> ServeSettings:
-    """Fill the settings that depend on the checkpoint (each automatic choice is logged).
-
-    served_model_name defaults to MODEL_DIR's name; max_model_len to min(max_position_embeddings,
-    DEFAULT_MAX_MODEL_LEN_CAP) and may not exceed max_position_embeddings; K drops to 0 when the
-    checkpoint has no MTP weights. Raises `SettingsError` for a max_model_len the model cannot serve.
-    """
-    update: dict[str, Any] = {}
+        choose("dtype", "float32", "cpu")
     if settings.served_model_name is None:
-        update["served_model_name"] = settings.model_dir.resolve().name
-        log.info("served_model_name -> %s (model directory name)", update["served_model_name"])
+        choose("served_model_name", settings.model_dir.resolve().name, "model directory name")
     if settings.max_model_len is None:
-        update["max_model_len"] = min(max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP)
-        log.info("max_model_len -> %d (min of the checkpoint's %d and %d)", update["max_model_len"],
-                 max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP)
+        choose("max_model_len", min(max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP),
+               f"min of the checkpoint's {max_position_embeddings} and {DEFAULT_MAX_MODEL_LEN_CAP}")
     elif settings.max_model_len > max_position_embeddings:
         raise SettingsError(f"--max-model-len {settings.max_model_len} exceeds the checkpoint's "
                             f"max_position_embeddings ({max_position_embeddings})")
     if settings.num_speculative_tokens > 0 and not has_mtp:
-        update["num_speculative_tokens"] = 0
-        log.warning("num_speculative_tokens %d -> 0: the checkpoint has no MTP weights (plain decode)",
-                    settings.num_speculative_tokens)
-    return settings.model_copy(update=update)
+        choose("num_speculative_tokens", 0, "the checkpoint has no MTP weights: plain decode", logging.WARNING)
+    return settings.model_copy(update=update), notes

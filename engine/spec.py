@@ -209,7 +209,9 @@ class SpecSession:
         self.logprobs: list[TokenLogprob] = []
         self.telem = SpecTelemetry()
         self.full_accept = 0
-        self.len_hist = [0] * (capmax + 1)
+        self.len_hist = [0] * (capmax + 1)  # rounds by drafted length
+        self.acc_hist = [0] * (capmax + 1)  # rounds by accepted length
+        self.constraint_cuts = 0  # rounds where the constraint truncated acceptance
         self.finished = False
         self.finish_reason: str | None = None
         self._started = False
@@ -219,6 +221,7 @@ class SpecSession:
         # MTP rows waiting to be written: row i = (token i+1, carrier hidden h_i), rows scratch.length..
         self._mtp_tokens: list[int] = []
         self._mtp_hidden: torch.Tensor | None = None
+        self.prefill_tokens = 0  # tokens run through prefill (multi-turn reuse prefills only the new suffix)
         self._constraint_consumed = 0  # drafts already consumed by the constraint walk of this round
         self._closed = False
 
@@ -287,6 +290,7 @@ class SpecSession:
     @torch.inference_mode()
     def _start_from(self, ids: list[int]) -> None:
         logits, post, pre = prefill(self.model, ids, self.cache, want_hidden=self.k > 0)
+        self.prefill_tokens += len(ids)
         first = self._choose(logits, [])
         self.committed += ids
         if self.k > 0:
@@ -387,6 +391,7 @@ class SpecSession:
         if k > 0:
             self.telem.record_round(k, n_acc)
             self.len_hist[k] += 1
+            self.acc_hist[n_acc] += 1
             self.full_accept += int(n_acc == k)
         self._emit(out, [logits[j] for j in range(len(out))])
 
@@ -424,6 +429,7 @@ class SpecSession:
         for j in range(n_acc):
             if not cons.is_allowed(drafts[j]):
                 n_acc, cut = j, True
+                self.constraint_cuts += 1
                 break
             cons.consume(drafts[j])
         if cut or not cons.is_allowed(bonus):

@@ -13,14 +13,14 @@ import logging
 import signal
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
 import uvicorn
 
 from config.settings import (DEFAULT_CONFIG_FILE, ServeSettings, SettingsError, env_var, field_names, flag,
-                             load_settings, resolve_device, resolve_for_model)
+                             load_settings, resolve)
 
 log = logging.getLogger("nextn")
 
@@ -75,14 +75,19 @@ def _fail(status: int, message: str) -> int:
     return status
 
 
+def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> ServeSettings:
+    """The serve settings for parsed `args` (only flags actually given override env/file/defaults).
+    Raises `SettingsError`."""
+    cli = {k: v for k, v in vars(args).items() if k in ServeSettings.model_fields}
+    return load_settings(cli, config_file=Path(args.config) if args.config else None, environ=environ)
+
+
 def serve(args: argparse.Namespace) -> int:
     """`nextn serve`: settings -> model -> worker -> uvicorn, until SIGTERM (drain) or SIGINT."""
-    cli = {k: v for k, v in vars(args).items() if k in ServeSettings.model_fields}
     try:
-        settings = load_settings(cli, config_file=Path(args.config) if args.config else None)
+        settings = settings_from_args(args)
     except SettingsError as e:
         return _fail(2, str(e))
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     import torch
 
@@ -91,15 +96,17 @@ def serve(args: argparse.Namespace) -> int:
     from engine.tokenizer import Tokenizer
 
     try:
-        settings = resolve_device(settings, cuda_available=torch.cuda.is_available())
-        dtype = None if settings.dtype == "auto" else settings.dtype
-        cfg = load_config(settings.model_dir, dtype)
-        settings = resolve_for_model(settings, max_position_embeddings=cfg.max_position_embeddings,
-                                     has_mtp=cfg.has_mtp)
+        cfg = load_config(settings.model_dir)
+        settings, notes = resolve(settings, cuda_available=torch.cuda.is_available(),
+                                  max_position_embeddings=cfg.max_position_embeddings, has_mtp=cfg.has_mtp)
     except SettingsError as e:
         return _fail(2, str(e))
     except (ConfigError, CheckpointError) as e:
         return _fail(1, f"cannot load {settings.model_dir}: {e}")
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for level, note in notes:
+        log.log(level, "%s", note)
+    dtype = None if settings.dtype == "auto" else settings.dtype
     try:
         model = load_model(settings.model_dir, device=settings.device, dtype=dtype, progress=True)
         tokenizer = Tokenizer.from_dir(settings.model_dir)
@@ -135,9 +142,9 @@ def build_server(settings: ServeSettings, model: Any, tokenizer: Any, **worker_k
 
 def run_server(settings: ServeSettings, model: Any, tokenizer: Any) -> int:
     """Serve until shut down; returns the exit status (0 after a SIGTERM drain)."""
+    server = build_server(settings, model, tokenizer)
     if settings.log_level == "info":  # uvicorn's startup chatter; our one line replaces it
         logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
-    server = build_server(settings, model, tokenizer)
     try:
         server.run()
     finally:

@@ -11,16 +11,19 @@ Contracts checked:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import shutil
 import subprocess
+import sys
 import threading
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine import spec as engine_spec
+from engine.spec import SpecTelemetry as Telemetry
 from metrics.derived import derived
 from metrics.prometheus import (
     GRAMMAR_COMPILE_BUCKETS,
@@ -31,41 +34,6 @@ from metrics.prometheus import (
     ServingMetrics,
 )
 
-try:  # the real telemetry type once the engine provides it
-    from engine.spec import SpecTelemetry as _RealTelemetry
-except ImportError:  # pragma: no cover - until engine/spec.py lands
-    _RealTelemetry = None
-
-
-@dataclasses.dataclass
-class _StandInTelemetry:
-    """Stand-in with engine.spec.SpecTelemetry's fields, used only while engine/spec.py is absent."""
-
-    rounds: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    pos_drafted: list = dataclasses.field(default_factory=lambda: [0] * SPEC_TELEM_POS)
-    pos_accepted: list = dataclasses.field(default_factory=lambda: [0] * SPEC_TELEM_POS)
-
-    def copy(self):
-        return dataclasses.replace(self, pos_drafted=list(self.pos_drafted), pos_accepted=list(self.pos_accepted))
-
-    def delta_since(self, prev):
-        sub = lambda a, b: max(a - b, 0)  # noqa: E731  saturating
-        return _StandInTelemetry(
-            sub(self.rounds, prev.rounds), sub(self.drafted, prev.drafted), sub(self.accepted, prev.accepted),
-            [sub(a, b) for a, b in zip(self.pos_drafted, prev.pos_drafted)],
-            [sub(a, b) for a, b in zip(self.pos_accepted, prev.pos_accepted)])
-
-    def merge(self, d):
-        self.rounds += d.rounds
-        self.drafted += d.drafted
-        self.accepted += d.accepted
-        self.pos_drafted = [a + b for a, b in zip(self.pos_drafted, d.pos_drafted)]
-        self.pos_accepted = [a + b for a, b in zip(self.pos_accepted, d.pos_accepted)]
-
-
-Telemetry = _RealTelemetry or _StandInTelemetry
 MODEL = "tiny-qwen35"
 SPEC_FAMILIES = (
     "nextn_spec_decode_num_drafts",
@@ -217,6 +185,8 @@ def test_spec_off_registers_no_spec_families():
     assert b"spec_decode" not in body
     names = {f.name for f in text_string_to_metric_families(body.decode())}
     assert "nextn_prompt_tokens" in names and not any("spec" in n for n in names)
+    on = {f.name for f in text_string_to_metric_families(ServingMetrics(MODEL, 1).render()[0].decode())}
+    assert set(SPEC_FAMILIES) <= on and not set(SPEC_FAMILIES) & names
 
 
 def test_negative_delta_rejected_without_partial_update():
@@ -243,7 +213,7 @@ def test_scrape_never_sees_half_a_delta():
     th = threading.Thread(target=feed)
     th.start()
     try:
-        for _ in range(200):
+        for _ in range(100):
             rounds, drafted, accepted, pd, pa = spec_values(scrape(m))
             assert drafted == 3 * rounds and accepted == rounds == pa[0] == pd[2]
     finally:
@@ -258,9 +228,17 @@ def test_independent_registries():
     assert spec_values(scrape(b))[0] == 0 and spec_values(scrape(a))[0] == 1
 
 
+def test_metrics_import_is_light():
+    """metrics/ never imports the engine or torch (the server process imports them anyway, tools must not)."""
+    code = "import sys, metrics.prometheus, metrics.derived; assert 'torch' not in sys.modules, 'torch imported'"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 0, r.stderr
+
+
 def test_engine_telemetry_width_matches():
-    spec = pytest.importorskip("engine.spec", reason="engine/spec.py not written yet")
-    assert spec.SPEC_TELEM_POS == SPEC_TELEM_POS
+    """metrics keeps its own copy of the width (importing metrics must not import torch); they must agree."""
+    assert engine_spec.SPEC_TELEM_POS == SPEC_TELEM_POS
 
 
 # ------------------------------------------------------------------------------------------------
@@ -376,7 +354,8 @@ def test_compat_vllm_exposes_equal_values_under_both_names():
     # every nextn series of an aliased family has its vllm twin
     for (name, labels), v in s.items():
         base = name[len("nextn_"):]
-        if not name.startswith("nextn_") or name.endswith("_created") or "drafted_tokens_per_pos" in name or "grammar_compile" in name:
+        nextn_only = "drafted_tokens_per_pos" in name or "grammar_compile" in name
+        if not name.startswith("nextn_") or name.endswith("_created") or nextn_only:
             continue
         assert vllm[("vllm:" + base, labels)] == v, name
     # nextn-only families are not aliased (vLLM tooling sees vLLM's schema only)

@@ -1,0 +1,101 @@
+"""Helpers for the server tests: a tiny checkpoint, and a real uvicorn server on a free local port.
+
+`ServerThread` runs `server.cli.build_server` (the same wiring as `nextn serve`) in a background
+thread of the test process, so tests can reach the worker (`.worker.num_active`) and inject a
+`session_factory`.
+"""
+from __future__ import annotations
+
+import functools
+import socket
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+from config.settings import ServeSettings, resolve
+from server.cli import NextnServer, build_server
+
+API_KEY = "sk-test"
+
+
+@functools.cache
+def tiny_checkpoint() -> Path:
+    """One random tiny Qwen3.5 checkpoint (with MTP weights and tokenizer) per test process."""
+    from tests.tiny import make_checkpoint
+
+    return make_checkpoint(Path(tempfile.mkdtemp(prefix="nextn-tiny-")) / "tiny", seed=0)
+
+
+@functools.cache
+def tiny_model_and_tokenizer() -> tuple[Any, Any]:
+    from engine.loader import load_model
+    from engine.tokenizer import Tokenizer
+
+    path = tiny_checkpoint()
+    return load_model(path), Tokenizer.from_dir(path)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(predicate: Any, timeout: float = 10.0, interval: float = 0.02) -> bool:
+    """Poll `predicate()` until it is truthy; False after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())
+
+
+class ServerThread:
+    """A real nextn server (uvicorn + worker) on 127.0.0.1 in a background thread; a context manager.
+
+    `settings` override `ServeSettings` fields; `worker_kw` go to `Worker` (e.g. `session_factory`).
+    """
+
+    def __init__(self, worker_kw: dict[str, Any] | None = None, **settings: Any) -> None:
+        model, tok = tiny_model_and_tokenizer()
+        s = ServeSettings(model_dir=tiny_checkpoint(), port=free_port(), device="cpu", dtype="float32",
+                          log_level="warning", **settings)
+        self.settings, _ = resolve(s, cuda_available=False, max_position_embeddings=model.config.max_position_embeddings,
+                                   has_mtp=model.config.has_mtp)
+        self.server: NextnServer = build_server(self.settings, model, tok, **(worker_kw or {}))
+        self.worker = self.server.worker
+        self.url = self.settings.url
+        self.base_url = self.url + "/v1"
+        self.model = self.settings.served_model_name
+        self._thread = threading.Thread(target=self.server.run, name="uvicorn-test", daemon=True)
+
+    def __enter__(self) -> "ServerThread":
+        # One intra-op thread: on a 2-core box shared with other processes, OpenMP teams of 2 spin
+        # against each other (a tiny-model burst goes from ms to seconds); results are unaffected.
+        self._threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        self._thread.start()
+        if not wait_until(lambda: self.server.started, timeout=20):
+            raise RuntimeError("test server did not start")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout=20)
+        self.worker.shutdown(timeout=20)
+        torch.set_num_threads(self._threads)
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Current value of one sample on /metrics (0 if absent)."""
+        text = httpx.get(self.url + "/metrics").text
+        for line in text.splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                if all(f'{k}="{v}"' in line for k, v in labels.items()):
+                    return float(line.rsplit(" ", 1)[1])
+        return 0.0

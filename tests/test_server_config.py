@@ -1,0 +1,178 @@
+"""Settings precedence and validation, and `nextn serve` as a process: bad values, SIGTERM drain."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import tomllib
+from pathlib import Path
+
+import httpx
+import pytest
+
+from config.settings import DEFAULT_CONFIG_FILE, REPO_ROOT, ServeSettings, SettingsError, load_settings, resolve
+from server.cli import build_parser, settings_from_args
+from tests.server_fixtures import free_port, tiny_checkpoint, wait_until
+
+NEXTN = [sys.executable, "-c", "import sys; from server.cli import main; sys.exit(main())"]
+
+
+def write_toml(path: Path, **serve: object) -> Path:
+    lines = ["[serve]"] + [f"{k} = {json.dumps(v)}" for k, v in serve.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_precedence_cli_over_env_over_file_over_defaults(tmp_path):
+    cfg = write_toml(tmp_path / "c.toml", model_dir=str(tmp_path), port=1111, host="0.0.0.0", max_queue=5,
+                     max_num_seqs=2)
+    env = {"NEXTN_PORT": "2222", "NEXTN_MAX_NUM_SEQS": "3", "NEXTN_API_KEY": "from-env"}
+    args = build_parser().parse_args(["serve", "--config", str(cfg), "--port", "3333"])
+    s = settings_from_args(args, environ=env)
+    assert s.port == 3333  # CLI beats env and file
+    assert s.max_num_seqs == 3 and s.api_key == "from-env"  # env beats file
+    assert s.host == "0.0.0.0" and s.max_queue == 5  # file beats defaults
+    assert s.burst_rounds == 4 and s.num_speculative_tokens == 3  # defaults
+    assert s.model_dir == tmp_path
+
+
+def test_config_file_from_env_and_positional_model_dir(tmp_path):
+    other = tmp_path / "m"
+    other.mkdir()
+    cfg = write_toml(tmp_path / "c.toml", model_dir=str(tmp_path), burst_rounds=9)
+    args = build_parser().parse_args(["serve", str(other)])
+    s = settings_from_args(args, environ={"NEXTN_CONFIG": str(cfg)})
+    assert s.burst_rounds == 9 and s.model_dir == other
+
+
+def test_default_toml_matches_field_defaults():
+    table = tomllib.loads(DEFAULT_CONFIG_FILE.read_text())["serve"]
+    fields = ServeSettings.model_fields
+    assert table and all(fields[k].default == v for k, v in table.items())
+    commented = {line.split("=")[0].strip("# ").strip() for line in DEFAULT_CONFIG_FILE.read_text().splitlines()
+                 if line.startswith("# ") and "=" in line}
+    assert set(table) | commented == set(fields)  # every setting is documented in the file
+
+
+def test_settings_are_frozen(tmp_path):
+    s = ServeSettings(model_dir=tmp_path)
+    with pytest.raises(Exception):
+        s.port = 1  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("cli,env,toml,needle", [
+    ({"port": "abc"}, {}, {}, "--port"),
+    ({}, {"NEXTN_DEVICE": "tpu"}, {}, "NEXTN_DEVICE"),
+    ({}, {}, {"max_num_seqs": 0}, "max_num_seqs in"),
+    ({"num_speculative_tokens": "5", "spec_capmax": "4"}, {}, {}, "exceeds spec_capmax"),
+    ({}, {}, {"no_such_setting": 1}, "unknown setting 'no_such_setting'"),
+    ({"spec_draft_p_min": "1.5"}, {}, {}, "--spec-draft-p-min"),
+], ids=["cli-type", "env-choice", "toml-range", "cross-field", "toml-unknown", "cli-range"])
+def test_bad_values_raise_one_line(tmp_path, cli, env, toml, needle):
+    cfg = write_toml(tmp_path / "c.toml", model_dir=str(tmp_path), **toml)
+    with pytest.raises(SettingsError) as e:
+        load_settings(cli, config_file=cfg, environ=env)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_auto_values_are_resolved_with_notes(tmp_path):
+    s = ServeSettings(model_dir=tmp_path)
+    r, notes = resolve(s, cuda_available=False, max_position_embeddings=262144, has_mtp=False)
+    assert (r.device, r.dtype, r.served_model_name, r.max_model_len) == ("cpu", "float32", tmp_path.name, 4096)
+    assert r.num_speculative_tokens == 0
+    text = "\n".join(msg for _, msg in notes)
+    assert all(w in text for w in ("device auto -> cpu", "dtype auto -> float32", "served_model_name None -> ",
+                                   "max_model_len None -> 4096", "num_speculative_tokens 3 -> 0"))
+    assert notes[-1][0] == logging.WARNING
+    r, notes = resolve(ServeSettings(model_dir=tmp_path, device="cpu", dtype="bfloat16", served_model_name="x",
+                                     max_model_len=100), cuda_available=False, max_position_embeddings=4096,
+                       has_mtp=True)
+    assert notes == [] and r.num_speculative_tokens == 3
+    with pytest.raises(SettingsError):
+        resolve(ServeSettings(model_dir=tmp_path, device="cuda"), cuda_available=False,
+                max_position_embeddings=4096, has_mtp=True)
+    with pytest.raises(SettingsError):
+        resolve(ServeSettings(model_dir=tmp_path, max_model_len=9000), cuda_available=False,
+                max_position_embeddings=4096, has_mtp=True)
+
+
+# ------------------------------------------------------------------------------------ as a process
+
+
+def run_nextn(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(NEXTN + list(argv), cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, **(env or {})})
+
+
+@pytest.mark.parametrize("argv,env,needle", [
+    (["--port", "abc"], {}, "--port"),
+    (["--bogus"], {}, "unrecognized arguments: --bogus"),
+    (["--device", "tpu"], {}, "--device"),
+    ([], {"NEXTN_MAX_QUEUE": "-1"}, "NEXTN_MAX_QUEUE"),
+    (["--max-model-len", "100000"], {}, "max_position_embeddings"),
+], ids=["type", "unknown-flag", "choice", "env", "over-checkpoint"])
+def test_bad_flag_exits_nonzero_with_one_line(argv, env, needle):
+    r = run_nextn("serve", str(tiny_checkpoint()), *argv, env=env)
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_missing_model_dir_exits_nonzero_with_one_line():
+    r = run_nextn("serve", "/no/such/dir")
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "model directory /no/such/dir does not exist" in lines[0], r.stderr
+    assert r.returncode == 2
+
+
+def test_sigterm_drains_then_exits_zero():
+    port = free_port()
+    proc = subprocess.Popen(NEXTN + ["serve", str(tiny_checkpoint()), "--port", str(port)], cwd=REPO_ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        def ready() -> bool:
+            try:
+                return httpx.get(base + "/ready", timeout=1).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        assert wait_until(ready, timeout=60), "server did not become ready"
+        events: list[str] = []
+        first = threading.Event()
+
+        def stream() -> None:
+            body = {"model": "tiny", "prompt": "Hello", "max_tokens": 1000, "ignore_eos": True, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line:
+                        events.append(line)
+                        first.set()
+
+        t = threading.Thread(target=stream)
+        t.start()
+        assert first.wait(30)
+        proc.send_signal(signal.SIGTERM)
+        assert wait_until(lambda: httpx.get(base + "/ready").status_code == 503, timeout=5)
+        r = httpx.post(base + "/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+        assert t.is_alive(), "the long stream should still be running while draining"
+        t.join(120)
+        assert events[-1] == "data: [DONE]"
+        usage = json.loads(events[-2][len("data: "):])["usage"]
+        assert usage["completion_tokens"] == 1000
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    stderr = proc.stderr.read()
+    startup = [line for line in stderr.splitlines() if "nextn serving" in line]
+    assert len(startup) == 1 and f"model=tiny device=cpu dtype=float32 K=3 url={base}" in startup[0]

@@ -63,7 +63,8 @@ class ServeSettings(BaseModel):
     max_num_seqs: int = Field(8, ge=1, description="sessions decoded concurrently (round-robin bursts)")
     max_queue: int = Field(64, ge=1, description="sessions waiting for a slot before requests get 429")
     burst_rounds: int = Field(4, ge=1, description="verify rounds one session runs before the next gets a turn")
-    api_key: str | None = Field(None, min_length=1, description="require `Authorization: Bearer KEY` on /v1/* (default: no key)")
+    api_key: str | None = Field(
+        None, min_length=1, description="require `Authorization: Bearer KEY` on /v1/* (default: no key)")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available, else cpu")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="auto = float32 on cpu, the checkpoint's dtype on cuda")
@@ -85,7 +86,7 @@ class ServeSettings(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _k_within_capmax(self) -> "ServeSettings":
+    def _k_within_capmax(self) -> ServeSettings:
         if self.num_speculative_tokens > self.spec_capmax:
             raise ValueError(f"num_speculative_tokens ({self.num_speculative_tokens}) exceeds spec_capmax "
                              f"({self.spec_capmax})")

@@ -3,7 +3,8 @@
 `serve` merges its settings (config.settings: CLI > NEXTN_* env > TOML > defaults), loads the model
 with a progress bar, starts the device worker and runs uvicorn. A bad setting or an unloadable model
 exits with status 2 (settings) or 1 (model) and one line on stderr. SIGTERM drains: /ready and new
-requests get 503, admitted requests finish, then the process exits 0. SIGINT stops at once.
+requests get 503, admitted requests finish, then the process exits 0. SIGINT is uvicorn's own (stop
+listening, wait for open responses; a second SIGINT forces the exit).
 """
 from __future__ import annotations
 
@@ -19,8 +20,16 @@ from typing import Any, NoReturn
 
 import uvicorn
 
-from config.settings import (DEFAULT_CONFIG_FILE, ServeSettings, SettingsError, env_var, field_names, flag,
-                             load_settings, resolve)
+from config.settings import (
+    DEFAULT_CONFIG_FILE,
+    ServeSettings,
+    SettingsError,
+    env_var,
+    field_names,
+    flag,
+    load_settings,
+    resolve,
+)
 
 log = logging.getLogger("nextn")
 
@@ -115,7 +124,7 @@ def serve(args: argparse.Namespace) -> int:
     return run_server(settings, model, tokenizer)
 
 
-def build_server(settings: ServeSettings, model: Any, tokenizer: Any, **worker_kw: Any) -> "NextnServer":
+def build_server(settings: ServeSettings, model: Any, tokenizer: Any, **worker_kw: Any) -> NextnServer:
     """Wire metrics, worker, serving classes and app for resolved `settings`; the worker is started.
     `worker_kw` is passed to `Worker` (tests inject a `session_factory`)."""
     from metrics.prometheus import ServingMetrics

@@ -166,7 +166,7 @@ class Generation:
                 if d.text or d.token_ids or d.finish_reason:
                     yield d
         finally:
-            for job, choice in zip(self.jobs, self.choices):
+            for job, choice in zip(self.jobs, self.choices, strict=False):
                 if not choice.done:
                     job.cancel("abort")
 

@@ -178,18 +178,24 @@ class Worker:
                 self._cv.wait_for(lambda: self._stopping or self._waiting or self._active)
                 if self._stopping:
                     break
+                # a stop string or a client that left: drop the job now (queued) or free its caches (active)
+                gone_waiting = [j for j in self._waiting if j.cancel_reason is not None]
+                gone_active = []
+                for j in gone_waiting:
+                    self._waiting.remove(j)
+                for a in gone_active:
+                    self._active.remove(a)
                 free = self.max_num_seqs - len(self._active)
                 admitted = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
                 self._busy = True
+            for j in gone_waiting:
+                self._finish(j, j.cancel_reason or "abort")
+            for a in gone_active:
+                self._retire(a, a.job.cancel_reason or "abort")
             sessions = [a for a in map(self._admit, admitted) if a is not None]
             with self._cv:
                 self._active.extendleft(reversed(sessions))  # new sessions prefill first (time to first token)
-                cancelled = [a for a in self._active if a.job.cancel_reason is not None]
-                for a in cancelled:
-                    self._active.remove(a)
                 head = self._active[0] if self._active else None
-            for a in cancelled:  # a stop string or a client that left: free the caches now
-                self._retire(a, a.job.cancel_reason)
             keep = head is not None and self._burst(head)
             with self._cv:
                 if head is not None:
@@ -202,18 +208,14 @@ class Worker:
                 self.metrics.set_waiting(len(self._waiting))
                 self._cv.notify_all()  # wait_idle
         for a in self._active:
-            a.job.cancel("abort")
             self._retire(a, "abort")
         self._active.clear()
         while self._waiting:
             self._finish(self._waiting.popleft(), "abort")
 
     def _admit(self, job: Job) -> _Active | None:
-        """Start a session for `job`; None when the job was cancelled while waiting or failed to start."""
+        """Start a session for `job`; None when it failed to start (the job is then finished)."""
         self.metrics.observe_queue_time(time.monotonic() - job.arrival)
-        if job.cancel_reason is not None:
-            self._finish(job, job.cancel_reason)
-            return None
         try:
             sess = self.session_factory(self.model, job.prompt_ids, job.max_new_tokens, k=self.k,
                                         sampling=job.sampling, constraint=None, eos_ids=list(job.eos_ids),
@@ -226,17 +228,25 @@ class Worker:
         return _Active(job, sess)
 
     def _burst(self, a: _Active) -> bool:
-        """Run one burst of `a`; True if it stays active."""
-        job, sess = a.job, a.sess
-        prev = sess.telem.copy()
-        n_before = len(sess.emitted)
-        t0 = time.monotonic()
+        """Run one burst of `a` and publish it; True if the session stays active. Anything that goes
+        wrong fails this job only."""
         try:
-            new_ids = list(sess.step(max_rounds=self.burst_rounds))
+            new_ids = self._step(a)
         except Exception as e:  # noqa: BLE001 - a session that raises fails its own request only
             log.exception("session step failed")
             self._retire(a, "error", error=e)
             return False
+        if a.sess.finished or not new_ids:
+            self._retire(a, a.sess.finish_reason or "stop")
+            return False
+        return True
+
+    def _step(self, a: _Active) -> list[int]:
+        job, sess = a.job, a.sess
+        prev = sess.telem.copy()
+        n_before = len(sess.emitted)
+        t0 = time.monotonic()
+        new_ids = list(sess.step(max_rounds=self.burst_rounds))
         t1 = time.monotonic()
         delta = sess.telem.delta_since(prev)
         self.metrics.add_spec(delta)
@@ -252,10 +262,7 @@ class Worker:
             lps = list(sess.logprobs[n_before:n_before + len(new_ids)]) if job.logprobs is not None else None
             job.publish(JobEvent(job.index, new_ids, lps))
         log.debug("burst job=%d tokens=%d %.1f ms", job.index, len(new_ids), (t1 - t0) * 1e3)
-        if sess.finished or not new_ids:
-            self._retire(a, sess.finish_reason or "stop")
-            return False
-        return True
+        return new_ids
 
     def _retire(self, a: _Active, reason: str, error: BaseException | None = None) -> None:
         try:

@@ -66,8 +66,8 @@ class ServerThread:
         model, tok = tiny_model_and_tokenizer()
         s = ServeSettings(model_dir=tiny_checkpoint(), port=free_port(), device="cpu", dtype="float32",
                           log_level="warning", **settings)
-        self.settings, _ = resolve(s, cuda_available=False, max_position_embeddings=model.config.max_position_embeddings,
-                                   has_mtp=model.config.has_mtp)
+        self.settings, _ = resolve(s, cuda_available=False, has_mtp=model.config.has_mtp,
+                                   max_position_embeddings=model.config.max_position_embeddings)
         self.server: NextnServer = build_server(self.settings, model, tok, **(worker_kw or {}))
         self.worker = self.server.worker
         self.url = self.settings.url
@@ -75,7 +75,7 @@ class ServerThread:
         self.model = self.settings.served_model_name
         self._thread = threading.Thread(target=self.server.run, name="uvicorn-test", daemon=True)
 
-    def __enter__(self) -> "ServerThread":
+    def __enter__(self) -> ServerThread:
         # One intra-op thread: on a 2-core box shared with other processes, OpenMP teams of 2 spin
         # against each other (a tiny-model burst goes from ms to seconds); results are unaffected.
         self._threads = torch.get_num_threads()

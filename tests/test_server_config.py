@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from pydantic import ValidationError
 
 from config.settings import DEFAULT_CONFIG_FILE, REPO_ROOT, ServeSettings, SettingsError, load_settings, resolve
 from server.cli import build_parser, settings_from_args
@@ -60,7 +61,7 @@ def test_default_toml_matches_field_defaults():
 
 def test_settings_are_frozen(tmp_path):
     s = ServeSettings(model_dir=tmp_path)
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError):
         s.port = 1  # type: ignore[misc]
 
 

@@ -88,8 +88,10 @@ class GatedAttention(nn.Module):
         self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, pos0: int, kv: "KVBuffer | None") -> torch.Tensor:
-        """x: [B, T, H] -> [B, T, H]. With `kv`, K/V are written at rows pos0.. and attention spans [0, pos0+T)."""
+    def forward(self, x: torch.Tensor, pos0: int, kv: "KVBuffer | None",
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """x: [B, T, H] -> [B, T, H]. With `kv`, K/V are written at rows pos0.. and attention spans [0, pos0+T).
+        `rope` = precomputed (cos, sin) for positions pos0..pos0+T-1 (shared by all layers of one forward)."""
         B, T, _ = x.shape
         qg = self.q_proj(x).view(B, T, self.nh, 2 * self.hd)
         q, gate = qg[..., : self.hd], qg[..., self.hd:].reshape(B, T, self.nh * self.hd)
@@ -97,7 +99,7 @@ class GatedAttention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(B, T, self.nkv, self.hd))  # [B, T, nkv, hd]
         v = self.v_proj(x).view(B, T, self.nkv, self.hd)
         positions = torch.arange(pos0, pos0 + T, device=x.device)
-        cos, sin = rope_cos_sin(positions, self.rotary_dim, self.theta, x.dtype)
+        cos, sin = rope if rope is not None else rope_cos_sin(positions, self.rotary_dim, self.theta, x.dtype)
         q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
         if kv is None:
             mask, is_causal = None, T > 1
@@ -162,8 +164,9 @@ class GatedDeltaNet(nn.Module):
             o, _ = gdn_chunked(q, k, v, g, beta, None)
         elif record_at is not None:
             o, s = gdn_recurrent(q, k, v, g, beta, st.rec, st.win_rec[record_at + 1:record_at + 1 + T])
-            for t in range(T):
-                st.win_conv[record_at + 1 + t].copy_(window[..., t + 1:t + self.kc])
+            # conv state after token t = window[..., t+1 : t+Kc]: all T of them in one strided copy
+            st.win_conv[record_at + 1:record_at + 1 + T].copy_(
+                window.unfold(-1, self.kc - 1, 1)[:, :, 1:T + 1].permute(2, 0, 1, 3))
             st.rec.copy_(s)
             st.conv.copy_(window[..., T:])
         else:
@@ -192,12 +195,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, pos0: int, layer_cache, record_at: int | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pos0: int, layer_cache, record_at: int | None,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         h = self.input_layernorm(x)
         if self.layer_type == "linear_attention":
             h = self.linear_attn(h, layer_cache, record_at)
         else:
-            h = self.self_attn(h, pos0, layer_cache)
+            h = self.self_attn(h, pos0, layer_cache, rope)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -251,8 +255,11 @@ class Qwen35ForCausalLM(nn.Module):
         record_at = None
         if cache is not None and record:
             record_at = cache.window_slot(pos0, ids.shape[1])
+        cfg = self.config
+        rope = rope_cos_sin(torch.arange(pos0, pos0 + ids.shape[1], device=ids.device), cfg.rotary_dim, cfg.rope_theta,
+                            x.dtype)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, pos0, None if cache is None else cache.layers[i], record_at)
+            x = layer(x, pos0, None if cache is None else cache.layers[i], record_at, rope)
         return x
 
     def logits(self, h_post: torch.Tensor) -> torch.Tensor:

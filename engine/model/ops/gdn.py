@@ -42,10 +42,10 @@ def gdn_recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     state: [B, H, dk, dv] fp32. All math in fp32. Returns (o [B, H, dv] fp32, new state [B, H, dk, dv]).
     """
     s = state * g.exp()[..., None, None]  # [B, H, dk, dv]
-    u = torch.einsum("bhk,bhkv->bhv", k, s)  # [B, H, dv]
+    u = (k.unsqueeze(-2) @ s).squeeze(-2)  # [B, H, dv]
     delta = beta[..., None] * (v - u)  # [B, H, dv]
-    s = s + k[..., :, None] * delta[..., None, :]  # [B, H, dk, dv]
-    o = torch.einsum("bhk,bhkv->bhv", q, s)  # [B, H, dv]
+    s = s + k.unsqueeze(-1) * delta.unsqueeze(-2)  # [B, H, dk, dv]
+    o = (q.unsqueeze(-2) @ s).squeeze(-2)  # [B, H, dv]
     return o, s
 
 

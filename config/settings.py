@@ -150,15 +150,14 @@ def load_settings(cli: Mapping[str, Any], *, config_file: Path | None = None,
     if config_file is None and environ.get(CONFIG_ENV):
         config_file = Path(environ[CONFIG_ENV])
     path = config_file if config_file is not None else DEFAULT_CONFIG_FILE
-    layers = [(f"config file {path}", _read_toml(path)), ("environment", _read_env(environ)), ("command line", cli)]
+    layers = [(_read_toml(path), lambda key: f"{key} in {path}"), (_read_env(environ), env_var), (cli, flag)]
     values: dict[str, Any] = {}
-    source: dict[str, str] = {}
-    for label, layer in layers:
+    source: dict[str, str] = {}  # setting -> where its value came from, for error messages
+    for layer, where in layers:
         for key, value in layer.items():
             if key not in ServeSettings.model_fields:
-                raise SettingsError(f"{label}: unknown setting {key!r}")
-            values[key] = value
-            source[key] = {"environment": env_var(key), "command line": flag(key)}.get(label, f"{key} in {path}")
+                raise SettingsError(f"unknown setting {where(key)}")
+            values[key], source[key] = value, where(key)
     try:
         return ServeSettings(**values)
     except ValidationError as e:

@@ -16,7 +16,7 @@ import sys
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import uvicorn
 
@@ -30,6 +30,9 @@ from config.settings import (
     load_settings,
     resolve,
 )
+
+if TYPE_CHECKING:  # the engine (torch) is imported only once `serve` needs it, so flag errors are instant
+    from server.worker import Worker
 
 log = logging.getLogger("nextn")
 
@@ -166,7 +169,7 @@ class NextnServer(uvicorn.Server):
     SIGINT (twice: force) is uvicorn's own. Captured signals are not re-raised on exit, so a drained
     shutdown exits 0."""
 
-    def __init__(self, config: Any, worker: Any, settings: ServeSettings, *, dtype: str) -> None:
+    def __init__(self, config: uvicorn.Config, worker: Worker, settings: ServeSettings, *, dtype: str) -> None:
         super().__init__(config)
         self.worker, self.settings, self.dtype = worker, settings, dtype
 
@@ -175,7 +178,7 @@ class NextnServer(uvicorn.Server):
         if self.started:
             s = self.settings
             log.info("nextn serving model=%s device=%s dtype=%s K=%d url=%s", s.served_model_name, s.device,
-                self.dtype, s.num_speculative_tokens, s.url)
+                     self.dtype, s.num_speculative_tokens, s.url)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:

@@ -128,6 +128,10 @@ class ChatCompletionRequest(_SamplingFields):
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def ignored_fields(self, prefix: str = "") -> list[str]:
+        kwargs = self.chat_template_kwargs or {}
+        return super().ignored_fields(prefix) + [f"chat_template_kwargs.{k}" for k in kwargs if k != "enable_thinking"]
+
     @property
     def num_logprobs(self) -> int | None:
         """Top alternatives to record per token (None = logprobs off)."""

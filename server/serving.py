@@ -41,7 +41,8 @@ class APIError(Exception):
         self.headers = headers or {}
 
     def body(self) -> p.ErrorResponse:
-        return p.ErrorResponse(error=p.ErrorInfo(message=self.message, type=_ERROR_TYPES.get(self.status, "error"),
+        fallback = "invalid_request_error" if self.status < 500 else "server_error"
+        return p.ErrorResponse(error=p.ErrorInfo(message=self.message, type=_ERROR_TYPES.get(self.status, fallback),
                                                  param=self.param, code=self.code))
 
 
@@ -278,7 +279,8 @@ class ServingChat(OpenAIServing):
                     raise APIError(400, f"only text content parts are supported, got {bad[0]!r}",
                                    param=f"messages.{i}.content")
                 content = "\n".join(part.text for part in content)  # type: ignore[misc]
-            messages.append({"role": m.role, "content": content, "name": m.name, "tool_calls": m.tool_calls,
+            role = "system" if m.role == "developer" else m.role  # OpenAI's newer name for system
+            messages.append({"role": role, "content": content, "name": m.name, "tool_calls": m.tool_calls,
                              "tool_call_id": m.tool_call_id})
         thinking = (req.chat_template_kwargs or {}).get("enable_thinking")
         try:

@@ -180,7 +180,7 @@ class Worker:
                     break
                 # a stop string or a client that left: drop the job now (queued) or free its caches (active)
                 gone_waiting = [j for j in self._waiting if j.cancel_reason is not None]
-                gone_active = []
+                gone_active = [a for a in self._active if a.job.cancel_reason is not None]
                 for j in gone_waiting:
                     self._waiting.remove(j)
                 for a in gone_active:

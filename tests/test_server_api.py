@@ -76,15 +76,16 @@ def test_stop_string_spanning_tokens_is_never_released():
     _, tok = tiny_model_and_tokenizer()
     ids = tok.encode("Hello world! The quick brown fox")
     st = ChoiceState(0, tok, [], ["quick", "The end"])
-    released = ""
-    for i, t in enumerate(ids):
+    released, fed = "", 0
+    for t in ids:
+        fed += 1
         d = st.feed(JobEvent(0, [t]))
         released += d.text
         if d.finish_reason:
             break
         assert any(stop.startswith(st.held) for stop in st.stops)  # only a possible stop prefix is held
     assert (released, st.text, st.finish_reason, st.stopped) == ("Hello world! The ", "Hello world! The ", "stop", True)
-    assert st.token_ids == ids[:i + 1] and tok.decode(st.token_ids).endswith("quick")
+    assert st.token_ids == ids[:fed] and tok.decode(st.token_ids).endswith("quick")
 
 
 def test_false_stop_prefix_is_released_at_the_end():
@@ -141,6 +142,19 @@ def test_greedy_chat_equals_plain_decode(client, srv):
     _, tok = tiny_model_and_tokenizer()
     assert r.choices[0].message.content == tok.decode(ref, skip_special_tokens=True)
     assert r.usage.completion_tokens == len(ref)
+
+
+def test_developer_role_text_parts_and_tool_turns(client, srv):
+    same = [{"role": "developer", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Hello world!"}]}]
+    r = client.chat.completions.create(model=srv.model, messages=same, max_tokens=2,
+                                       extra_body={"return_token_ids": True})
+    assert r.model_extra["prompt_token_ids"] == chat_prompt_ids(MESSAGES)  # developer == system
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
+    turns = [{"role": "user", "content": "Add"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+             {"role": "tool", "tool_call_id": "call_1", "content": "2"}]
+    r = client.chat.completions.create(model=srv.model, messages=turns, max_tokens=2)
+    assert r.choices[0].finish_reason in ("stop", "length")
 
 
 def test_chat_stream_equals_non_stream(client, srv):
@@ -402,10 +416,15 @@ def test_sdk_maps_errors_to_exceptions(client, srv):
 
 def test_unknown_fields_are_ignored(client, srv, caplog):
     with caplog.at_level("WARNING", logger="nextn.serving"):
-        r = client.chat.completions.create(model=srv.model, messages=MESSAGES, max_tokens=2,
-                                           extra_body={"frobnicate": 1, "response_format": {"type": "text"}})
+        r = client.chat.completions.create(
+            model=srv.model, max_tokens=2, messages=[{"role": "user", "content": "Hi", "mood": "happy"}],
+            extra_body={"frobnicate": 1, "response_format": {"type": "text"},
+                        "chat_template_kwargs": {"enable_thinking": False, "x": 1}})
     assert r.choices[0].message.content is not None
-    assert any("frobnicate" in rec.getMessage() for rec in caplog.records)
+    lines = [rec.getMessage() for rec in caplog.records if "ignoring unknown request field" in rec.getMessage()]
+    assert len(lines) == 1
+    assert all(f in lines[0] for f in ("frobnicate", "messages.0.mood", "chat_template_kwargs.x"))
+    assert "enable_thinking" not in lines[0] and "response_format" not in lines[0]
 
 
 # ----------------------------------------------------------------------------- other server settings

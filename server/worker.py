@@ -255,9 +255,8 @@ class Worker:
             self.metrics.add_generation_tokens(len(new_ids))
             if a.last_emit is None:
                 self.metrics.observe_ttft(t1 - job.arrival)
-            else:
-                for _ in new_ids:
-                    self.metrics.observe_itl((t1 - a.last_emit) / len(new_ids))
+            else:  # one sample per emission (vLLM: per engine step, not divided by the tokens it carried)
+                self.metrics.observe_itl(t1 - a.last_emit)
             a.last_emit = t1
             lps = list(sess.logprobs[n_before:n_before + len(new_ids)]) if job.logprobs is not None else None
             job.publish(JobEvent(job.index, new_ids, lps))
@@ -273,6 +272,5 @@ class Worker:
 
     def _finish(self, job: Job, reason: str, error: BaseException | None = None) -> None:
         self.metrics.request_finished(reason)
-        if reason in ("stop", "length") and error is None:
-            self.metrics.observe_e2e(time.monotonic() - job.arrival)
+        self.metrics.observe_e2e(time.monotonic() - job.arrival)
         job.publish(JobEvent(job.index, [], done=True, finish_reason=reason, error=error, telem=job.telem))

@@ -95,5 +95,6 @@ def probs_from_logits(row: torch.Tensor, s: SpecSampling) -> torch.Tensor:
 
 
 def sample(p: torch.Tensor, gen: torch.Generator) -> int:
-    """Draw one token id from distribution p [V] (float64) with generator `gen`."""
-    return int(torch.multinomial(p.float() if p.device.type != "cpu" else p, 1, generator=gen).item())
+    """Draw one token id from distribution p [V] (float64) with the CPU generator `gen` (same seed -> same draw
+    on any device)."""
+    return int(torch.multinomial(p.cpu(), 1, generator=gen).item())

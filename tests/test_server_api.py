@@ -323,9 +323,12 @@ def test_session_error_fails_only_that_request(client, srv):
     t = threading.Thread(target=healthy)
     t.start()
     with pytest.raises(openai.InternalServerError) as e:
-        client.completions.create(model=srv.model, prompt=FAIL_PROMPT, max_tokens=20)
+        # greedy + ignore_eos: the session cannot finish before it has emitted 2 tokens and raises
+        client.completions.create(model=srv.model, prompt=FAIL_PROMPT, max_tokens=20, temperature=0,
+                                  extra_body={"ignore_eos": True})
     assert "injected failure" in str(e.value)
-    body = {"model": srv.model, "prompt": FAIL_PROMPT, "max_tokens": 20, "stream": True}
+    body = {"model": srv.model, "prompt": FAIL_PROMPT, "max_tokens": 20, "stream": True, "temperature": 0,
+            "ignore_eos": True}
     with httpx.stream("POST", srv.base_url + "/completions", json=body, headers=auth()) as r:
         events = collect_sse(r)
     assert events[-1] == "[DONE]" and "error" in events[-2]

@@ -413,14 +413,10 @@ class ChatFactory:
     def __init__(self, src: Sources):
         self.src = src
         self.kw = [k for k in keyword.kwlist]
-        self.copy_fraction = 0.0  # extra share of copy tasks (a curriculum knob set by the trainer)
         self.kinds: list[tuple[float, Callable[[random.Random], list[dict]]]] = [
-            (0.30, self.topic), (0.03, self.topic_more), (0.12, self.module), (0.15, self.function),
-            (0.24, self.json_task), (0.07, self.copy_task), (0.06, self.greeting), (0.01, self.count), (0.02, self.zen),
+            (0.36, self.topic), (0.03, self.topic_more), (0.15, self.module), (0.17, self.function),
+            (0.18, self.json_task), (0.07, self.greeting), (0.02, self.count), (0.02, self.zen),
         ]
-        # copy material: short sentences and words from the reference text (forces reading the prompt)
-        self.sentences = sorted({m.group(0) for text in src.raw + [e.answer for e in src.modules]
-                                 for m in re.finditer(r"(?<![^\s])[A-Z][^.!?`*\n()\[\]:;]{20,110}[.!?](?=\s|$)", text)})
         self.words = sorted({w for e in src.topics for w in re.findall(r"\b[a-z]{4,10}\b", e.answer)})
 
     def _wrap(self, rng: random.Random, user: str, answer: str) -> list[dict]:
@@ -473,17 +469,6 @@ class ChatFactory:
 
     def zen(self, rng: random.Random) -> list[dict]:
         return self._wrap(rng, rng.choice(ZEN_QUESTIONS), self.src.zen)
-
-    def copy_task(self, rng: random.Random) -> list[dict]:
-        if rng.random() < 0.6:
-            sent = rng.choice(self.sentences)
-            q = rng.choice(("Repeat this sentence: {}", "Repeat after me: {}", "Say exactly this: {}",
-                            "Echo the following text.\n\n{}", "Copy this: {}"))
-            return self._wrap(rng, q.format(sent), sent)
-        words = rng.sample(self.words, rng.randint(2, 5))
-        q = rng.choice(("Make a JSON array of these words: {}.", "Put these words in a JSON list: {}.",
-                        "Convert to a JSON array: {}"))
-        return self._wrap(rng, q.format(", ".join(words)), _jd(words))
 
     def _name(self, rng: random.Random) -> str:
         return rng.choice(PEOPLE) if rng.random() < 0.6 else rng.choice(self.words).capitalize()
@@ -547,15 +532,7 @@ class ChatFactory:
                         f"Convert to a JSON array: {', '.join(items)}"))
         return self._wrap(rng, q, _jd({"colors": items}))
 
-    def copy_any(self, rng: random.Random) -> list[dict]:
-        """A task whose answer is copied from the prompt (sentences, word lists, JSON records)."""
-        if rng.random() < 0.5:
-            return self.copy_task(rng)
-        return self.json_task(rng, t=rng.choice((0, 1, 9, 10, 11)))
-
     def draw(self, rng: random.Random) -> list[dict]:
-        if self.copy_fraction and rng.random() < self.copy_fraction:
-            return self.copy_any(rng)
         r = rng.random()
         acc = 0.0
         for w, fn in self.kinds:

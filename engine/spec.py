@@ -155,12 +155,17 @@ def decode_step_t(model: Qwen35ForCausalLM, tokens: list[int], pos0: int, cache:
 
 
 def mtp_head_forward(model: Qwen35ForCausalLM, tokens: list[int], hidden: torch.Tensor, pos: int,
-                     scratch: MtpScratch) -> tuple[torch.Tensor, torch.Tensor]:
+                     scratch: MtpScratch, chunk: int = PREFILL_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
     """NextN step(s): rows (token i+1, trunk/head hidden of row i) at positions pos.. write the head's K/V into
-    `scratch` and return (fp32 draft logits [T, V], head hidden after mtp.norm [T, H]). T = 1 for a chained draft."""
-    x = torch.tensor([tokens], device=hidden.device)
-    hm = model.mtp_forward(x, hidden[None], pos, scratch.kv)[0]  # [T, H]
-    return model.logits(hm), hm
+    `scratch`; returns (fp32 draft logits of the LAST row [V], head hidden after mtp.norm of the last row [1, H]).
+    T = 1 for a chained draft; after a prefill T is the prompt length, run in chunks of `chunk` rows, and only the
+    last row (the one whose draft is used) ever gets logits, so memory stays O(chunk * context + V)."""
+    hm = hidden[:0]
+    for c0 in range(0, len(tokens), chunk):
+        x = torch.tensor([tokens[c0:c0 + chunk]], device=hidden.device)
+        hm = model.mtp_forward(x, hidden[None, c0:c0 + chunk], pos + c0, scratch.kv)[0]  # [t, H]
+    last = hm[-1:]  # [1, H]
+    return model.logits(last[0]), last
 
 
 class SpecSession:
@@ -330,10 +335,9 @@ class SpecSession:
         model, sc = self.model, self.scratch
         assert sc is not None and self._mtp_hidden is not None
         n = len(self.committed)  # rows 0..n-1 become final once the queue is written
-        logits, hm = mtp_head_forward(model, self._mtp_tokens, self._mtp_hidden, sc.length, sc)
+        row, h = mtp_head_forward(model, self._mtp_tokens, self._mtp_hidden, sc.length, sc)  # [V], [1, H]
         sc.set_len(n)
         self._mtp_tokens, self._mtp_hidden = [], None
-        row, h = logits[-1], hm[-1:]
         drafts: list[int] = []
         rows: list[torch.Tensor] = []
         cons = self.constraint
@@ -342,17 +346,14 @@ class SpecSession:
         for j in range(k_round):
             if j > 0:
                 row, h = mtp_head_forward(model, [drafts[-1]], h, n - 1 + j, sc)
-                row = row[0]
-            if self.sampling.greedy:
-                q = None
-                d = int(torch.argmax(self._pen.apply(row, self.sampling, drafts) if self.sampling.has_penalties else row).item())
-            else:
-                q = probs_from_logits(self._pen.apply(row, self.sampling, drafts), self.sampling)
-                d = sample(q, self._gen)
+            proc = self._pen.apply(row, self.sampling, drafts)
+            q = None if self.sampling.greedy else probs_from_logits(proc, self.sampling)
+            # p-min tests the drafter's TOP probability before a token is chosen: whether position j is drafted
+            # never depends on which token is drawn, so rejection sampling against q stays exact
             if self.p_min > 0.0 and j > 0:
-                p = float(torch.softmax(row, -1)[d].item()) if q is None else float(q[d].item())
-                if p < self.p_min:
+                if float((torch.softmax(proc, -1) if q is None else q).max().item()) < self.p_min:
                     break  # discarded: counted in neither drafted nor accepted
+            d = int(torch.argmax(proc).item()) if q is None else sample(q, self._gen)
             if self.draft_override is not None:
                 d = self.draft_override(n + 1 + j, j, d)
             if cons is not None and hasattr(cons, "draft_allowed") and not cons.draft_allowed(d):

@@ -262,13 +262,14 @@ def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def test_spec_sampling_matches_target_distribution(tiny_vocab_model):
-    """Tokens 1 and 2 come from the first spec round (rejection sampling against the MTP draft);
-    their empirical marginals must fit the exact marginals computed from the target model."""
+@pytest.mark.parametrize("p_min", [0.0, 0.5])
+def test_spec_sampling_matches_target_distribution(tiny_vocab_model, p_min):
+    """Tokens 1 and 2 come from the first spec round (rejection sampling against the MTP draft, K = 2, so with
+    p_min > 0 the chain is cut at position 1 in some rounds); their empirical marginals must fit the exact
+    marginals computed from the target model."""
     m = tiny_vocab_model
     V = m.config.vocab_size
     prompt = [1, 5, 2, 7]
-    s = SpecSampling(temperature=1.0, top_k=0)
     # exact marginals of x1, x2 by enumeration (cache-free forward over all continuations)
     p0 = torch.softmax(m(torch.tensor([prompt]))[0, -1].double(), -1)  # [V]
     seq1 = torch.tensor([prompt + [a] for a in range(V)])
@@ -279,18 +280,48 @@ def test_spec_sampling_matches_target_distribution(tiny_vocab_model):
     m2 = (p0[:, None, None] * p1[:, :, None] * p2).sum((0, 1))
     N = 600
     c1, c2 = torch.zeros(V, dtype=torch.float64), torch.zeros(V, dtype=torch.float64)
-    acc = 0
+    acc = drafted = rounds = 0
     for seed in range(N):
-        sess = SpecSession(m, prompt, 3, k=2, sampling=SpecSampling(temperature=1.0, seed=seed))
+        sess = SpecSession(m, prompt, 4, k=2, p_min=p_min, sampling=SpecSampling(temperature=1.0, seed=seed))
         out = sess.run()
         c1[out[1]] += 1
         c2[out[2]] += 1
         acc += sess.telem.accepted
-    assert 0 < acc < 2 * N, "rejection sampling should both accept and reject on this model"
+        drafted += sess.telem.drafted
+        rounds += sess.telem.rounds
+    assert 0 < acc < drafted, "rejection sampling should both accept and reject on this model"
+    if p_min > 0:
+        assert drafted < 2 * rounds, "p-min should cut some chains here"
     assert _chi2_pvalue(c1, m1) > 1e-3
     assert _chi2_pvalue(c2, m2) > 1e-3
     # and the test can fail: the same counts do not fit a wrong distribution (plain p0)
     assert _chi2_pvalue(c1, p0) < 1e-3 or torch.allclose(m1, p0, atol=0.02)
+
+
+@torch.no_grad()
+def test_spec_sampling_with_p_min_is_exact_on_a_good_drafter():
+    """With a drafter that agrees with the target (the demo's trained MTP head), deciding the p-min cut from the
+    SAMPLED draft's probability skews the output (the kept drafts are the likely ones); the cut must depend on
+    the draft distribution only. Token 2 given the (almost always identical) tokens 0 and 1 must follow the
+    target's conditional distribution."""
+    from collections import Counter
+    from pathlib import Path
+
+    from engine.tokenizer import Tokenizer
+
+    demo = Path(__file__).resolve().parents[1] / "models" / "demo"
+    m = load_model(demo, dtype="float64")
+    tok = Tokenizer.from_dir(demo)
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the for statement in Python?"}],
+                                                add_generation_prompt=True, enable_thinking=False))
+    runs = [SpecSession(m, prompt, 4, k=2, p_min=0.3, sampling=SpecSampling(temperature=1.0, seed=seed)).run()
+            for seed in range(500)]
+    head = Counter(tuple(r[:2]) for r in runs).most_common(1)[0][0]
+    third = torch.tensor([r[2] for r in runs if tuple(r[:2]) == head])
+    assert third.numel() > 400
+    p = torch.softmax(m(torch.tensor([prompt + list(head)]))[0, -1].double(), -1)
+    counts = torch.bincount(third, minlength=m.config.vocab_size).double()
+    assert _chi2_pvalue(counts, p) > 1e-3
 
 
 def test_same_seed_same_tokens(tiny_vocab_model):

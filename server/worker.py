@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import threading
 import time
@@ -67,6 +68,7 @@ class Job:
     arrival: float = field(default_factory=time.monotonic)
     telem: SpecTelemetry = field(default_factory=SpecTelemetry)
     cancel_reason: str | None = None
+    done: bool = False  # the final event was published
 
     def cancel(self, reason: str = "abort") -> None:
         """Ask the worker to drop this job; `reason` ("stop" for a stop string, "abort" for a client that
@@ -114,6 +116,8 @@ class Worker:
         self._draining = False
         self._stopping = False
         self._busy = False  # the worker holds jobs outside the two queues (admitting or bursting)
+        self._limbo: list[Job] = []  # jobs taken off the queues and not yet placed (failed with the loop)
+        self._failed = False  # the loop died: /health and /ready report it, submit refuses
         self._thread = threading.Thread(target=self._run, name="nextn-worker", daemon=True)
 
     # -- event-loop side -----------------------------------------------------------------------------
@@ -126,7 +130,7 @@ class Worker:
         with self._cv:
             if self._draining or self._stopping:
                 raise Unavailable("the server is draining for shutdown")
-            if not self._thread.is_alive():
+            if self._failed or not self._thread.is_alive():
                 raise Unavailable("the worker is not running")
             if len(self._waiting) + len(jobs) > self.max_queue:
                 raise QueueFull(f"the admission queue is full ({self.max_queue} waiting)")
@@ -145,7 +149,8 @@ class Worker:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        """The loop is running (False once it died or stopped)."""
+        return self._thread.is_alive() and not self._failed
 
     @property
     def draining(self) -> bool:
@@ -173,6 +178,13 @@ class Worker:
     # -- worker thread -------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # noqa: BLE001 - the loop itself failed: nobody may be left waiting
+            log.critical("the worker loop failed; failing every request", exc_info=True)
+            self._fail_all(e)
+
+    def _loop(self) -> None:
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: self._stopping or self._waiting or self._active)
@@ -187,6 +199,7 @@ class Worker:
                     self._active.remove(a)
                 free = self.max_num_seqs - len(self._active)
                 admitted = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
+                self._limbo = admitted + gone_waiting + [a.job for a in gone_active]
                 self._busy = True
             for j in gone_waiting:
                 self._finish(j, j.cancel_reason or "abort")
@@ -195,6 +208,7 @@ class Worker:
             sessions = [a for a in map(self._admit, admitted) if a is not None]
             with self._cv:
                 self._active.extendleft(reversed(sessions))  # new sessions prefill first (time to first token)
+                self._limbo = []
                 head = self._active[0] if self._active else None
             keep = head is not None and self._burst(head)
             with self._cv:
@@ -212,6 +226,31 @@ class Worker:
         self._active.clear()
         while self._waiting:
             self._finish(self._waiting.popleft(), "abort")
+
+    def _fail_all(self, err: BaseException) -> None:
+        """The loop died: refuse new work and give every job it held or queued an error `done` event."""
+        with self._cv:
+            self._failed = True
+            jobs = [a.job for a in self._active] + list(self._limbo) + list(self._waiting)
+            sessions = [a.sess for a in self._active]
+            self._active.clear()
+            self._waiting.clear()
+            self._limbo = []
+            self._busy = False
+            self._cv.notify_all()
+        for sess in sessions:
+            with contextlib.suppress(Exception):
+                sess.close()
+        failure = RuntimeError(f"the worker failed: {type(err).__name__}")
+        for job in jobs:
+            if not job.done:  # the event first: metrics may be what failed
+                job.done = True
+                job.publish(JobEvent(job.index, [], done=True, finish_reason="error", error=failure, telem=job.telem))
+                with contextlib.suppress(Exception):
+                    self.metrics.request_finished("error")
+        with contextlib.suppress(Exception):
+            self.metrics.set_running(0)
+            self.metrics.set_waiting(0)
 
     def _admit(self, job: Job) -> _Active | None:
         """Start a session for `job`; None when it failed to start (the job is then finished)."""
@@ -242,26 +281,31 @@ class Worker:
         return True
 
     def _step(self, a: _Active) -> list[int]:
+        """Up to `burst_rounds` rounds of one session; each round's tokens are published as they come (one
+        emission = one inter-token-latency sample, vLLM's per-step semantics)."""
         job, sess = a.job, a.sess
-        prev = sess.telem.copy()
-        n_before = len(sess.emitted)
-        t0 = time.monotonic()
-        new_ids = list(sess.step(max_rounds=self.burst_rounds))
-        t1 = time.monotonic()
-        delta = sess.telem.delta_since(prev)
-        self.metrics.add_spec(delta)
-        job.telem.merge(delta)
-        if new_ids:
-            self.metrics.add_generation_tokens(len(new_ids))
-            if a.last_emit is None:
-                self.metrics.observe_ttft(t1 - job.arrival)
-            else:  # one sample per emission (vLLM: per engine step, not divided by the tokens it carried)
-                self.metrics.observe_itl(t1 - a.last_emit)
-            a.last_emit = t1
-            lps = list(sess.logprobs[n_before:n_before + len(new_ids)]) if job.logprobs is not None else None
-            job.publish(JobEvent(job.index, new_ids, lps))
-        log.debug("burst job=%d tokens=%d %.1f ms", job.index, len(new_ids), (t1 - t0) * 1e3)
-        return new_ids
+        out: list[int] = []
+        for _ in range(self.burst_rounds):
+            prev = sess.telem.copy()
+            n_before = len(sess.emitted)
+            new_ids = list(sess.step(max_rounds=1))
+            t1 = time.monotonic()
+            delta = sess.telem.delta_since(prev)
+            self.metrics.add_spec(delta)
+            job.telem.merge(delta)
+            if new_ids:
+                self.metrics.add_generation_tokens(len(new_ids))
+                if a.last_emit is None:
+                    self.metrics.observe_ttft(t1 - job.arrival)
+                else:
+                    self.metrics.observe_itl(t1 - a.last_emit)
+                a.last_emit = t1
+                lps = list(sess.logprobs[n_before:n_before + len(new_ids)]) if job.logprobs is not None else None
+                job.publish(JobEvent(job.index, new_ids, lps))
+            out += new_ids
+            if sess.finished or not new_ids or job.cancel_reason is not None:
+                break
+        return out
 
     def _retire(self, a: _Active, reason: str, error: BaseException | None = None) -> None:
         try:
@@ -271,6 +315,7 @@ class Worker:
         self._finish(a.job, reason, error=error)
 
     def _finish(self, job: Job, reason: str, error: BaseException | None = None) -> None:
+        job.done = True
         self.metrics.request_finished(reason)
         self.metrics.observe_e2e(time.monotonic() - job.arrival)
         job.publish(JobEvent(job.index, [], done=True, finish_reason=reason, error=error, telem=job.telem))

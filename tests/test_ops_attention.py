@@ -7,7 +7,6 @@ import torch
 from engine.model.ops import attention as at
 from tests.ops_util import DEVICE, DTYPES, assert_bitwise, assert_close, nans, needs_triton, rand
 
-pytestmark = needs_triton
 
 S, L, NKV, HD, NH, W = 5, 448, 2, 16, 4, 4  # GQA r = 2
 
@@ -32,6 +31,7 @@ def test_write_kv_scatters_rows_at_their_positions():
     assert v_cache[0, 2].flatten().tolist() == [-6, -7] and k_cache.count_nonzero() == 7  # one written value is 0
 
 
+@needs_triton
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("gated,nsplit,min_chunk", [(True, at.ATTN_SPLITS, at.ATTN_MIN_CHUNK), (False, 4, 64)])
 def test_attention_matches_twin_and_is_batch_invariant(dtype, gated, nsplit, min_chunk):

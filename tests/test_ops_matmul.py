@@ -5,9 +5,8 @@ import torch
 from engine.model.ops import matmul as mm
 from tests.ops_util import DEVICE, DTYPES, assert_bitwise, assert_close, nans, needs_triton, rand
 
-pytestmark = needs_triton
 
-
+@needs_triton
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("split_k", [None, 2])
 def test_matmul_matches_twin_and_rows_are_batch_invariant(dtype, split_k):
@@ -28,6 +27,7 @@ def test_matmul_matches_twin_and_rows_are_batch_invariant(dtype, split_k):
             assert_bitwise(mm.matmul(other, w, split_k=split_k)[at], alone[0], f"row {r} at {at} of M={M}")
 
 
+@needs_triton
 def test_matmul_lm_head_large_n_fp32_logits():
     """LM-head use: bf16 hidden, a vocab-sized N that is not a tile multiple, fp32 logits out."""
     g = torch.Generator().manual_seed(1)
@@ -55,6 +55,7 @@ def test_group_by_expert_and_tiles():
     assert te[live].tolist() == [0, 1, 3, 3] and tr[live].tolist() == [0, 2, 3, 5] and n == 8
 
 
+@needs_triton
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_grouped_matmul_matches_twin_and_is_batch_invariant(dtype):
     """MoE experts: tokens gathered and sorted by expert (some experts empty, one with > BLOCK_M rows);

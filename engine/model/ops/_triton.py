@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 try:
     import triton
     import triton.language as tl
@@ -23,6 +25,19 @@ except ImportError:  # CPU install without triton: twins only
     HAS_TRITON = False
 
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on", "y")
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def check_triton(*ts: torch.Tensor) -> None:
+    """Entry check of every kernel wrapper: triton importable, dtypes the kernels handle."""
+    if not HAS_TRITON:
+        raise RuntimeError("triton is not installed: use the *_ref twins (or engine.model.ops.dispatch)")
+    for t in ts:
+        if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise TypeError(f"triton kernels take fp32/bf16/fp16 tensors, got {t.dtype}")
 
 if HAS_TRITON:
     EMU = tl.constexpr(INTERPRET)  # kernels read it as a global constexpr

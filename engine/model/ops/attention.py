@@ -24,8 +24,7 @@ import math
 
 import torch
 
-from ._triton import HAS_TRITON, tl, triton
-from .matmul import _check_triton, cdiv
+from ._triton import HAS_TRITON, cdiv, check_triton, tl, triton
 
 ATTN_BLOCK_M = 16  # (query, head-in-group) rows per program
 ATTN_BLOCK_N = 64  # keys per block
@@ -171,7 +170,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slo
     `nsplit` (the most KV splits per query) and `min_chunk` (fewest keys per split, a multiple of ATTN_BLOCK_N)
     are part of the rounding: keep them the same for every launch whose outputs are compared.
     `max_kv_len` (default L): a bound on pos0 + T that only trims the grid (CUDA graphs: a static bound)."""
-    _check_triton(q, k_cache, v_cache)
+    check_triton(q, k_cache, v_cache)
     N, T, nh, hd = q.shape
     nkv = k_cache.shape[2]
     assert nh % nkv == 0 and k_cache.shape[3] == hd and v_cache.shape == k_cache.shape

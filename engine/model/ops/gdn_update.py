@@ -33,9 +33,8 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import HAS_TRITON, tl, triton
+from ._triton import HAS_TRITON, cdiv, check_triton, tl, triton
 from .gdn import causal_conv_window, gdn_chunked, gdn_recurrent, l2norm
-from .matmul import _check_triton
 
 GDN_BLOCK_V = 32  # dv columns of the state per program (state tile dk x 32 in registers)
 CONV_BLOCK_C = 128  # channels per program
@@ -176,7 +175,7 @@ def gdn_update(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     in fp32, per token, per row); v [N, T, nv, dv]; g (log decay), beta [N, T, nv]; last dims contiguous;
     rec [S, W, nv, dk, dv] fp32 contiguous; slot, cur [N] int. Returns o [N, T, nv, dv] (out_dtype);
     writes rec[slot[i], t] for t < T. `out`: a preallocated o (e.g. a CUDA-graph static buffer). No host sync."""
-    _check_triton(q, k, v)
+    check_triton(q, k, v)
     N, T, nk, dk = q.shape
     nv, dv = v.shape[2], v.shape[3]
     assert rec.dtype == torch.float32 and rec.is_contiguous() and rec.shape[2:] == (nv, dk, dv)
@@ -186,7 +185,7 @@ def gdn_update(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     o = out if out is not None else torch.empty(N, T, nv, dv, dtype=out_dtype, device=q.device)
     if N == 0 or T == 0:
         return o
-    grid = (N * nv, triton.cdiv(dv, GDN_BLOCK_V))
+    grid = (N * nv, cdiv(dv, GDN_BLOCK_V))
     _gdn_kernel[grid](q, k, v, g, beta, rec, slot, cur, o, T, nv, nv // nk, dk ** -0.5,
                       q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                       v.stride(0), v.stride(1), v.stride(2), g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
@@ -204,7 +203,7 @@ def conv_update(x: torch.Tensor, conv: torch.Tensor, weight: torch.Tensor, slot:
     weight [C, Kc] (tap Kc-1 multiplies the current token; Kc == 4); slot, cur [N] int. Returns y [N, T, C]
     in x's dtype (taps summed in fp32 in tap order); writes conv[slot[i], t] = the last Kc-1 inputs after
     token t. `out`: a preallocated y. No host sync."""
-    _check_triton(x, conv)
+    check_triton(x, conv)
     N, T, C = x.shape
     kc = weight.shape[-1]
     if kc != 4:
@@ -214,7 +213,7 @@ def conv_update(x: torch.Tensor, conv: torch.Tensor, weight: torch.Tensor, slot:
     y = out if out is not None else torch.empty(N, T, C, dtype=x.dtype, device=x.device)
     if N == 0 or T == 0:
         return y
-    _conv_kernel[(N, triton.cdiv(C, CONV_BLOCK_C))](x, conv, weight, slot, cur, y, T, C, x.stride(0), x.stride(1),
+    _conv_kernel[(N, cdiv(C, CONV_BLOCK_C))](x, conv, weight, slot, cur, y, T, C, x.stride(0), x.stride(1),
                                                     conv.stride(0), conv.stride(1), conv.stride(2), weight.stride(0),
                                                     y.stride(0), y.stride(1), KC=kc, BC=CONV_BLOCK_C, num_warps=4)
     return y

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import HAS_TRITON, tl, triton
+from ._triton import HAS_TRITON, cdiv, check_triton, tl, triton
 
 BLOCK_M = 64  # dense: every row of a decode/verify batch (<= 64 rows) shares one weight pass
 BLOCK_M_GROUPED = 16  # MoE: a few rows per expert
@@ -29,10 +29,6 @@ def matmul_config(N: int, K: int) -> tuple[int, int]:
     split = max(1, min(k_blocks // MIN_K_BLOCKS_PER_SPLIT, TARGET_PROGRAMS // n_tiles))
     per = cdiv(k_blocks, split)  # K blocks per split; no empty split
     return per * BLOCK_K, cdiv(k_blocks, per)
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _acc_dtype(dt: torch.dtype) -> torch.dtype:
@@ -116,30 +112,24 @@ if HAS_TRITON:
             acc = mm(a, b, acc, IEEE)
         out_mask = m_ok[:, None] & n_ok[None, :]
         if SPLIT:
-            offs = (pid_k * M + rm[:, None]).to(tl.int64) * N + rn[None, :]
+            offs = (pid_k.to(tl.int64) * M + rm[:, None]) * N + rn[None, :]
             tl.store(part + offs, acc, mask=out_mask)
         else:
             tl.store(y + rm[:, None].to(tl.int64) * sym + rn[None, :] * syn, cast_rn(acc, y.dtype.element_ty), mask=out_mask)
 
-    @triton.jit(do_not_specialize=["M"])
-    def _split_reduce_kernel(part, y, M, N, S, sym, syn, BLOCK: tl.constexpr):
-        """y[m, n] = sum over s = 0..S-1 (in order) of part[s, m, n], cast to y's dtype."""
+    @triton.jit(do_not_specialize=["MN"])
+    def _split_reduce_kernel(part, y, MN, N, S, sym, syn, BLOCK: tl.constexpr):
+        """y[m, n] = sum over s = 0..S-1 (in order) of part[s, m, n], cast to y's dtype. MN = M * N."""
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        ok = offs < M * N
+        ok = offs < MN
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
-        for s in range(S):
-            acc += tl.load(part + s * M * N + offs, mask=ok, other=0.0)
+        p = part + offs
+        for _ in range(S):
+            acc += tl.load(p, mask=ok, other=0.0)
+            p += MN
         m = offs // N
         n = offs % N
         tl.store(y + m * sym + n * syn, cast_rn(acc, y.dtype.element_ty), mask=ok)
-
-
-def _check_triton(*ts: torch.Tensor) -> None:
-    if not HAS_TRITON:
-        raise RuntimeError("triton is not installed: use the *_ref twins (or engine.model.ops.dispatch)")
-    for t in ts:
-        if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise TypeError(f"triton kernels take fp32/bf16/fp16 tensors, got {t.dtype}")
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, M: int, N: int, K: int, split_k: int | None,
@@ -161,7 +151,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, M: int, N: int, K
                          SPLIT=split > 1, IEEE=x.dtype == torch.float32, num_warps=4)
     if split > 1:
         blk = 1024
-        _split_reduce_kernel[(cdiv(M * N, blk),)](part, y, M, N, split, y.stride(0), y.stride(1), BLOCK=blk)
+        _split_reduce_kernel[(cdiv(M * N, blk),)](part, y, M * N, N, split, y.stride(0), y.stride(1), BLOCK=blk)
 
 
 def matmul(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None, split_k: int | None = None,
@@ -170,7 +160,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = Non
 
     Any strides. `split_k` overrides the (N, K)-derived K split (still independent of M). `out`: a [M, N]
     buffer to write (static buffers under CUDA graphs)."""
-    _check_triton(x, w)
+    check_triton(x, w)
     M, K = x.shape
     N = w.shape[0]
     assert w.shape[1] == K, (x.shape, w.shape)
@@ -204,7 +194,7 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, rows
 
     x [R, K]; w [E, N, K]; offsets [E+1] int (from `group_by_expert`; offsets[E] == M); rows [M] int64 gather
     indices into x (None: x is already sorted, M = R). No host sync: the grid is an upper bound."""
-    _check_triton(x, w)
+    check_triton(x, w)
     M = rows.numel() if rows is not None else x.shape[0]
     E, N, K = w.shape
     y = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)

@@ -12,8 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._triton import HAS_TRITON, tl, triton
-from .matmul import _check_triton
+from ._triton import HAS_TRITON, check_triton, tl, triton
 
 
 def _f(x: torch.Tensor) -> torch.Tensor:
@@ -81,7 +80,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 def _launch(x: torch.Tensor, w: torch.Tensor, eps: float, mode: int, res: torch.Tensor | None = None,
             z: torch.Tensor | None = None, out: torch.Tensor | None = None,
             out_sum: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    _check_triton(x)
+    check_triton(x)
     H = x.shape[-1]
     x2 = _rows(x)
     y = out if out is not None else torch.empty(x.shape, dtype=x.dtype, device=x.device)

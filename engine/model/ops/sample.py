@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import HAS_TRITON, tl, triton
-from .matmul import _check_triton, cdiv
+from ._triton import HAS_TRITON, cdiv, check_triton, tl, triton
 
 CHUNK = 4096  # logits per program in the first pass
 _M32 = 0xFFFFFFFF
@@ -141,7 +140,7 @@ if HAS_TRITON:
 def _race(logits: torch.Tensor, sample: bool, inv_t: torch.Tensor | None = None, thr: torch.Tensor | None = None,
           seed: torch.Tensor | None = None, offset: torch.Tensor | None = None,
           out: torch.Tensor | None = None) -> torch.Tensor:
-    _check_triton(logits)
+    check_triton(logits)
     N, V = logits.shape
     assert logits.stride(-1) == 1
     out = out if out is not None else torch.empty(N, dtype=torch.int64, device=logits.device)

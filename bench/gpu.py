@@ -1,0 +1,456 @@
+#!/usr/bin/env python3
+"""GPU benchmark and checks of the engine/model/ops Triton kernels (issue #11).
+
+    python bench/gpu.py --smoke     every kernel vs its torch twin and every bitwise invariance check at tiny
+                                    shapes; without CUDA it runs on the CPU under TRITON_INTERPRET=1 (set here);
+                                    prints a PASS/FAIL table, exit status 1 on any FAIL.
+    python bench/gpu.py             on a GPU (one call, a few minutes): the same checks at Qwen3.5-0.8B and 9B
+                                    shapes (and the 35B-A3B experts for the grouped matmul), in bf16, then each
+                                    kernel's time vs its torch equivalent, the copy bandwidth and the HBM floor
+                                    of a decode step (weight bytes / copy bandwidth). Markdown on stdout;
+                                    --json PATH also writes the rows.
+
+Phase 2 (model integration, CUDA graphs) adds the whole-model rows: see PHASE2_TODO and `model_steps`.
+Tests never assert timings: the figures go to bench/RESULTS.md as ratios.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+W = 5  # K + 1 = 5 verify positions (K = 4)
+BATCH = 8
+
+PHASE2_TODO = [
+    "plain decode step time at batch 1 and 8 vs the HBM floor (goal <= 1.5x floor at batch 1)",
+    "verify K+1 (K = 1..4) step time vs plain decode (goal <= 1.2x at K+1 = 4)",
+    "MTP draft step vs plain decode (goal <= 0.3x at 0.8B, <= 0.15x at 9B)",
+    "prefill tokens/s (torch chunked GDN vs fla-core's chunk kernel carried as a wheel)",
+    "CUDA graphs per batch-size bucket (draft, verify, plain decode)",
+    "transformers generate() as the peer (goal >= 10x)",
+    "bf16 greedy spec == plain greedy token for token (K = 1..4), logits bitwise alone vs batched",
+]
+
+
+@dataclass(frozen=True)
+class Dims:
+    """Model shape (shared/reference/qwen35-architecture.md section 1.3) and the test contexts."""
+
+    name: str
+    H: int
+    I: int  # noqa: E741  (dense MLP width)
+    nh: int
+    nkv: int
+    hd: int
+    nk: int
+    dk: int
+    nv: int
+    dv: int
+    V: int
+    layers: int
+    ctx: tuple[int, ...]  # KV lengths (pos0) of the attention rows
+    tied: bool = False
+
+    @property
+    def C(self) -> int:  # GDN conv channels
+        return 2 * self.nk * self.dk + self.nv * self.dv
+
+    def weight_bytes(self, elt: int = 2) -> int:
+        """Bytes of every weight a decode step reads (3:1 GDN:attention layers, dense MLP, LM head)."""
+        gdn = self.H * (self.C + 2 * self.nv * self.dv + 2 * self.nv) + self.C * 4
+        attn = self.H * (2 * self.nh * self.hd + 2 * self.nkv * self.hd + self.nh * self.hd)
+        mlp = 3 * self.H * self.I
+        n_attn = self.layers // 4
+        return elt * ((self.layers - n_attn) * gdn + n_attn * attn + self.layers * mlp + self.V * self.H)
+
+
+@dataclass(frozen=True)
+class MoeDims:
+    name: str
+    H: int
+    E: int
+    topk: int
+    Im: int
+
+
+TINY = Dims("tiny", H=64, I=96, nh=4, nkv=2, hd=16, nk=2, dk=16, nv=4, dv=32, V=5000, layers=4, ctx=(3, 300, 41))
+TINY_MOE = MoeDims("tiny-moe", H=64, E=6, topk=2, Im=32)
+QWEN = [
+    Dims("0.8B", H=1024, I=3584, nh=8, nkv=2, hd=256, nk=16, dk=128, nv=16, dv=128, V=248320, layers=24,
+         ctx=(100, 4000, 32000, 700), tied=True),
+    Dims("9B", H=4096, I=12288, nh=16, nkv=4, hd=256, nk=16, dk=128, nv=32, dv=128, V=248320, layers=32,
+         ctx=(100, 4000, 32000, 700)),
+]
+QWEN_MOE = MoeDims("35B-A3B experts", H=2048, E=256, topk=8, Im=512)
+
+
+@dataclass
+class Row:
+    kernel: str
+    shape: str
+    dtype: str
+    err: float  # max |kernel - twin| / max(1, max |twin|)
+    tol: float
+    invariant: bool | None  # None: no invariance check for this kernel
+    kernel_us: float | None = None
+    torch_us: float | None = None
+    torch_name: str = ""
+    gbps: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.err <= self.tol and self.invariant is not False
+
+
+class Ctx:
+    """Device, dtype, seeded data and the timer of one run."""
+
+    def __init__(self, device: str, dtype: torch.dtype, timing: bool):
+        self.device, self.dtype, self.timing = device, dtype, timing
+        self.g = torch.Generator().manual_seed(0)
+
+    def randn(self, *shape: int, scale: float = 1.0, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return (torch.randn(*shape, generator=self.g) * scale).to(self.device, dtype or self.dtype)
+
+    def time_us(self, fn: Callable[[], object], iters: int = 20) -> float | None:
+        """Median of `iters` CUDA-event timings after 3 warm-up calls (None when not timing)."""
+        if not self.timing:
+            return None
+        for _ in range(3):
+            fn()
+        times = []
+        for _ in range(iters):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) * 1e3)
+        return statistics.median(times)
+
+    @property
+    def tol(self) -> float:
+        return 1e-4 if self.dtype == torch.float32 else 3e-2
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.float(), want.float()
+    if got.isnan().any():
+        return float("inf")
+    return ((got - want).abs().max() / want.abs().max().clamp(min=1.0)).item()
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bool(torch.equal(a, b))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# one function per kernel: check vs twin, bitwise invariance, timing vs a torch equivalent
+# ---------------------------------------------------------------------------------------------------------------
+
+def check_matmul(c: Ctx, d: Dims, ops) -> list[Row]:
+    rows = []
+    mm = ops.matmul
+    weights = [("gate/up", d.I, d.H, None), ("down", d.H, d.I, None), ("in_proj_qkv", d.C, d.H, None),
+               ("lm_head", d.V, d.H, torch.float32)]
+    M = BATCH * W
+    for name, N, K, odt in weights:
+        w = c.randn(N, K, scale=K ** -0.5)
+        x = c.randn(M, K)
+        y = mm.matmul(x, w, out_dtype=odt)
+        err = rel_err(y, mm.matmul_ref(x, w, odt))
+        inv = True
+        for r in (0, M - 1):
+            alone = mm.matmul(x[r:r + 1], w, out_dtype=odt)[0]
+            inv &= same(alone, y[r])
+            for m, at in ((2, 1), (9, 8)):
+                other = c.randn(m, K, scale=3.0)
+                other[at] = x[r]
+                inv &= same(mm.matmul(other, w, out_dtype=odt)[at], alone)
+        for m in (1, M):
+            xm = x[:m]
+            t_k = c.time_us(lambda: mm.matmul(xm, w, out_dtype=odt))
+            t_t = c.time_us(lambda: F.linear(xm, w))
+            gb = None if t_k is None else (N * K * w.element_size()) / t_k / 1e3
+            rows.append(Row(f"matmul {name} M={m}", f"{d.name} [{N}x{K}]", str(c.dtype)[6:], err, c.tol, inv,
+                            t_k, t_t, "F.linear", gb))
+    return rows
+
+
+def check_grouped(c: Ctx, md: MoeDims, ops) -> list[Row]:
+    mm = ops.matmul
+    rows = []
+    w = c.randn(md.E, 2 * md.Im, md.H, scale=md.H ** -0.5)
+    for T in (1, BATCH, BATCH * W):
+        x = c.randn(T, md.H)
+        idx = torch.stack([torch.randperm(md.E, generator=c.g)[:md.topk] for _ in range(T)]).to(c.device)
+        order, offsets = mm.group_by_expert(idx, md.E)
+        rows_ = order // md.topk
+        y = mm.grouped_matmul(x, w, offsets, rows_)
+        err = rel_err(y, mm.grouped_matmul_ref(x, w, offsets, rows_))
+        pos = {int(s): m for m, s in enumerate(order.tolist())}
+        o1, off1 = mm.group_by_expert(idx[T - 1:], md.E)
+        y1 = mm.grouped_matmul(x[T - 1:], w, off1, o1 // md.topk)
+        inv = all(same(y1[m1], y[pos[(T - 1) * md.topk + s]]) for m1, s in enumerate(o1.tolist()))
+        t_k = c.time_us(lambda: mm.grouped_matmul(x, w, offsets, rows_))
+        t_t = c.time_us(lambda: mm.grouped_matmul_ref(x, w, offsets, rows_))
+        rows.append(Row(f"grouped matmul gate_up tokens={T}", f"{md.name} E={md.E} k={md.topk}", str(c.dtype)[6:],
+                        err, c.tol, inv, t_k, t_t, "per-expert F.linear"))
+    return rows
+
+
+def _sdpa_pool(q, k_cache, v_cache, slot, pos0, scale, gate):
+    """Torch equivalent of the pool attention: gather each row's KV, one masked SDPA over the batch."""
+    N, T, nh, hd = q.shape
+    n = int(pos0.max()) + T
+    k = k_cache[slot, :n].transpose(1, 2)  # [N, nkv, n, hd]
+    v = v_cache[slot, :n].transpose(1, 2)
+    pos = pos0[:, None] + torch.arange(T, device=q.device)  # [N, T]
+    mask = torch.arange(n, device=q.device)[None, None, :] <= pos[:, :, None]  # [N, T, n]
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask[:, None], scale=scale,
+                                       enable_gqa=True)
+    return o.transpose(1, 2) * torch.sigmoid(gate)
+
+
+def check_attention(c: Ctx, d: Dims, ops) -> list[Row]:
+    at = ops.attention
+    rows = []
+    L = max(d.ctx) + 2 * W
+    L += -L % 16
+    k_cache, v_cache = c.randn(BATCH, L, d.nkv, d.hd), c.randn(BATCH, L, d.nkv, d.hd)
+    scale = d.hd ** -0.5
+    for N in (1, BATCH):
+        slot = torch.arange(N, device=c.device).flip(0)
+        pos0 = torch.tensor([d.ctx[i % len(d.ctx)] for i in range(N)], device=c.device)
+        q, gate = c.randn(N, W, d.nh, d.hd), c.randn(N, W, d.nh, d.hd)
+        o = at.attention(q, k_cache, v_cache, slot, pos0, scale, gate)
+        err = rel_err(o, at.attention_ref(q, k_cache, v_cache, slot, pos0, scale, gate))
+        inv = True
+        for i in range(N):
+            for t in (0, W - 1):
+                o1 = at.attention(q[i:i + 1, t:t + 1], k_cache, v_cache, slot[i:i + 1], pos0[i:i + 1] + t, scale,
+                                  gate[i:i + 1, t:t + 1])
+                inv &= same(o1[0, 0], o[i, t])
+        for T in (1, W):
+            qs, gs = q[:, :T].contiguous(), gate[:, :T].contiguous()
+            t_k = c.time_us(lambda: at.attention(qs, k_cache, v_cache, slot, pos0, scale, gs))
+            t_t = c.time_us(lambda: _sdpa_pool(qs, k_cache, v_cache, slot, pos0, scale, gs))
+            kv_bytes = int((pos0 + T).sum()) * 2 * d.nkv * d.hd * k_cache.element_size()
+            gb = None if t_k is None else kv_bytes / t_k / 1e3
+            rows.append(Row(f"attention rows={N} T={T}", f"{d.name} ctx {list(d.ctx)[:N]}", str(c.dtype)[6:], err,
+                            c.tol, inv, t_k, t_t, "gather + SDPA", gb))
+    return rows
+
+
+def check_gdn(c: Ctx, d: Dims, ops) -> list[Row]:
+    gu = ops.gdn_update
+    rows = []
+    N = BATCH
+    slot = torch.arange(N, device=c.device).flip(0)
+    cur = torch.arange(N, device=c.device) % W
+    q, k = c.randn(N, W, d.nk, d.dk), c.randn(N, W, d.nk, d.dk)
+    v = c.randn(N, W, d.nv, d.dv)
+    g = -torch.rand(N, W, d.nv, generator=c.g).to(c.device)
+    beta = torch.rand(N, W, d.nv, generator=c.g).to(c.device)
+    rec0 = c.randn(N, W, d.nv, d.dk, d.dv, scale=0.1, dtype=torch.float32)
+    rec, rec_t, rec_s = rec0.clone(), rec0.clone(), rec0.clone()
+    o = gu.gdn_update(q, k, v, g, beta, rec, slot, cur, qk_l2norm=True)
+    err = max(rel_err(o, gu.gdn_update_ref(q, k, v, g, beta, rec_t, slot, cur, qk_l2norm=True)),
+              rel_err(rec[slot], rec_t[slot]))
+    inv, cc = True, cur
+    for t in range(W):
+        o1 = gu.gdn_update(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], g[:, t:t + 1], beta[:, t:t + 1], rec_s, slot, cc,
+                           qk_l2norm=True)
+        inv &= same(o1[:, 0], o[:, t]) and same(rec_s[slot, 0], rec[slot, t])
+        cc = torch.zeros_like(cur)
+    for T in (1, W):
+        args = (q[:, :T], k[:, :T], v[:, :T], g[:, :T], beta[:, :T])
+        t_k = c.time_us(lambda: gu.gdn_update(*args, rec, slot, cur, qk_l2norm=True))
+        t_t = c.time_us(lambda: gu.gdn_update_ref(*args, rec_t, slot, cur, qk_l2norm=True))
+        rows.append(Row(f"gdn_update rows={N} T={T}", f"{d.name} {d.nv}x{d.dk}x{d.dv}", str(c.dtype)[6:], err,
+                        c.tol, inv, t_k, t_t, "torch recurrence"))
+    x = c.randn(N, W, d.C)
+    wgt = c.randn(d.C, 4, scale=0.5)
+    conv0 = c.randn(N, W, d.C, 3)
+    conv, conv_t, conv_s = conv0.clone(), conv0.float(), conv0.clone()
+    y = gu.conv_update(x, conv, wgt, slot, cur)
+    err = max(rel_err(y, gu.conv_update_ref(x.float(), conv_t, wgt.float(), slot, cur)),
+              rel_err(conv[slot], conv_t[slot]))
+    inv, cc = True, cur
+    for t in range(W):
+        y1 = gu.conv_update(x[:, t:t + 1], conv_s, wgt, slot, cc)
+        inv &= same(y1[:, 0], y[:, t]) and same(conv_s[slot, 0], conv[slot, t])
+        cc = torch.zeros_like(cur)
+    for T in (1, W):
+        xs = x[:, :T]
+        t_k = c.time_us(lambda: gu.conv_update(xs, conv, wgt, slot, cur))
+        t_t = c.time_us(lambda: gu.conv_update_ref(xs, conv_s, wgt, slot, cur))
+        rows.append(Row(f"conv_update rows={N} T={T}", f"{d.name} C={d.C}", str(c.dtype)[6:], err, c.tol, inv,
+                        t_k, t_t, "torch window conv"))
+    return rows
+
+
+def check_norms(c: Ctx, d: Dims, ops) -> list[Row]:
+    nm = ops.norm
+    rows = []
+    M = BATCH * W
+    eps = 1e-6
+    x, r = c.randn(M, d.H), c.randn(M, d.H)
+    w = c.randn(d.H, scale=0.1)
+    o, z = c.randn(M, d.nv, d.dv), c.randn(M, d.nv, d.dv)
+    wg = 1 + c.randn(d.dv, scale=0.1)
+    cases = [
+        ("rms_norm", lambda xx: nm.rms_norm(xx, w, eps), lambda xx: nm.rms_norm_ref(xx, w, eps), x),
+        ("add_rms_norm", lambda xx: nm.add_rms_norm(xx, r[:xx.shape[0]], w, eps)[0],
+         lambda xx: nm.add_rms_norm_ref(xx, r[:xx.shape[0]], w, eps)[0], x),
+        ("gated_rms_norm", lambda xx: nm.gated_rms_norm(xx, z[:xx.shape[0]], wg, eps),
+         lambda xx: nm.gated_rms_norm_ref(xx, z[:xx.shape[0]], wg, eps), o),
+    ]
+    for name, kern, twin, inp in cases:
+        y = kern(inp)
+        err = rel_err(y, twin(inp))
+        inv = same(kern(inp[:1])[0], y[0])
+        t_k = c.time_us(lambda: kern(inp))
+        t_t = c.time_us(lambda: twin(inp))
+        rows.append(Row(f"{name} rows={M}", f"{d.name} {list(inp.shape[1:])}", str(c.dtype)[6:], err, c.tol, inv,
+                        t_k, t_t, "torch twin"))
+    return rows
+
+
+def check_sampling(c: Ctx, d: Dims, ops) -> list[Row]:
+    sp = ops.sample
+    rows = []
+    M = BATCH * W
+    lg = c.randn(M, d.V, scale=3.0, dtype=torch.float32)
+    lg[0, [5, d.V - 1]] = 100.0  # a tie: lowest index
+    got = sp.argmax(lg)
+    err = 0.0 if same(got, lg.argmax(-1)) else float("inf")
+    rows.append(Row(f"argmax rows={M}", f"{d.name} V={d.V}", "float32", err, 0.0, None,
+                    c.time_us(lambda: sp.argmax(lg)), c.time_us(lambda: lg.argmax(-1)), "torch.argmax"))
+    N = BATCH
+    lgs = lg[:N]
+    inv_t = torch.linspace(0.0, 2.0, N, device=c.device)
+    thr = sp.sampling_thresholds(lgs, inv_t, torch.tensor([0, 20] * (N // 2), device=c.device),
+                                 torch.full((N,), 0.95, device=c.device), torch.zeros(N, device=c.device))
+    seed, off = torch.arange(N, device=c.device) + 1, torch.arange(N, device=c.device) * 3
+    got = sp.sample(lgs, inv_t, thr, seed, off)
+    want = sp.sample_ref(lgs, inv_t, thr, seed, off)
+    mismatch = int((got != want).sum())  # the same Philox draws: any mismatch is an error
+    rows.append(Row(f"sample rows={N} (top-k/p)", f"{d.name} V={d.V}", "float32", float(mismatch), 0.0, None,
+                    c.time_us(lambda: sp.sample(lgs, inv_t, thr, seed, off)),
+                    c.time_us(lambda: torch.multinomial(torch.softmax(lgs, -1), 1)), "softmax+multinomial"))
+    return rows
+
+
+def copy_bandwidth_gbps(device: str) -> float:
+    n = 1 << 29  # 1 GiB of fp16
+    src = torch.empty(n, dtype=torch.float16, device=device)
+    dst = torch.empty_like(src)
+    c = Ctx(device, torch.float16, timing=True)
+    us = c.time_us(lambda: dst.copy_(src), iters=10)
+    assert us is not None
+    return 2 * n * 2 / us / 1e3
+
+
+def model_steps(c: Ctx, d: Dims) -> list[Row]:
+    """TODO (phase 2): whole-model rows (decode / verify / MTP draft / prefill at batch 1 and 8, CUDA graphs,
+    transformers peer, bf16 spec == plain). Needs the batched runtime and the ops wired into qwen35.py."""
+    return []
+
+
+def run_checks(c: Ctx, dims: list[Dims], moe: MoeDims, sampling: bool = True) -> list[Row]:
+    from engine.model.ops import attention, gdn_update, matmul, norm, sample
+
+    class Ops:  # the kernel modules, imported after TRITON_INTERPRET is settled
+        pass
+
+    ops = Ops()
+    ops.matmul, ops.attention, ops.gdn_update, ops.norm, ops.sample = matmul, attention, gdn_update, norm, sample
+    rows = []
+    for d in dims:
+        for fn in (check_matmul, check_attention, check_gdn, check_norms) + ((check_sampling,) if sampling else ()):
+            rows += fn(c, d, ops)
+            if c.device == "cuda":
+                torch.cuda.empty_cache()
+        rows += model_steps(c, d)
+    rows += check_grouped(c, moe, ops)
+    return rows
+
+
+def fmt(x: float | None, spec: str = ".1f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def print_table(rows: list[Row], timing: bool) -> None:
+    head = "| kernel | shape | dtype | max rel err (tol) | invariant | result |"
+    if timing:
+        head += " kernel us | torch us | torch | kernel GB/s |"
+    print(head)
+    print("|" + "---|" * (head.count("|") - 1))
+    for r in rows:
+        inv = "-" if r.invariant is None else ("bitwise" if r.invariant else "NO")
+        line = (f"| {r.kernel} | {r.shape} | {r.dtype} | {r.err:.2e} ({r.tol:.0e}) | {inv} | "
+                f"{'PASS' if r.ok else 'FAIL'} |")
+        if timing:
+            line += f" {fmt(r.kernel_us)} | {fmt(r.torch_us)} | {r.torch_name} | {fmt(r.gbps, '.0f')} |"
+        print(line)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, checks only (CPU: TRITON_INTERPRET=1)")
+    ap.add_argument("--json", type=Path, help="also write the rows as JSON")
+    args = ap.parse_args()
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        if not args.smoke:
+            print("no CUDA device: run with --smoke (the kernels under TRITON_INTERPRET=1)", file=sys.stderr)
+            return 2
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+    from engine.model.ops._triton import HAS_TRITON
+
+    if not HAS_TRITON:
+        print("triton is not installed (pip install triton)", file=sys.stderr)
+        return 2
+    device = "cuda" if cuda else "cpu"
+    rows: list[Row] = []
+    if args.smoke:
+        for dt in (torch.float32, torch.bfloat16):
+            rows += run_checks(Ctx(device, dt, timing=False), [TINY], TINY_MOE, sampling=dt == torch.float32)
+        print(f"# bench/gpu.py --smoke on {device}" + ("" if cuda else " (TRITON_INTERPRET=1)"))
+        print_table(rows, timing=False)
+    else:
+        import triton
+
+        name = torch.cuda.get_device_name()
+        bw = copy_bandwidth_gbps(device)
+        print(f"# bench/gpu.py on {name}: torch {torch.__version__}, triton {triton.__version__}")
+        print(f"copy bandwidth (read + write): {bw:.0f} GB/s")
+        for d in QWEN:
+            wb = d.weight_bytes()
+            print(f"{d.name}: decode-step weight bytes {wb / 1e9:.2f} GB -> HBM floor {wb / bw / 1e3:.2f} ms/step")
+        rows = run_checks(Ctx(device, torch.bfloat16, timing=True), QWEN, QWEN_MOE)
+        print_table(rows, timing=True)
+        print("\nTODO (phase 2):")
+        for t in PHASE2_TODO:
+            print(f"- {t}")
+    if args.json:
+        args.json.write_text(json.dumps([r.__dict__ | {"ok": r.ok} for r in rows], indent=1))
+    bad = [r for r in rows if not r.ok]
+    print(f"\n{len(rows) - len(bad)}/{len(rows)} PASS" + ("" if not bad else ": FAIL " + ", ".join(r.kernel for r in bad)))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""Fused RMSNorms of Qwen3.5: the zero-centred (1 + w) RMSNorm (with an optional fused residual add) and the
+GDN output's gated RMSNorm (plain w, times silu(z)).
+
+Numerics follow engine/model/qwen35.py's RMSNorm / GatedRMSNorm: mean of squares and scaling in fp32, cast
+back to the input dtype at the same points. One program normalises one row with a fixed block, so a row's
+result never depends on the number of rows (torch's own reductions may change strategy with the row count).
+
+Twins: `rms_norm_ref`, `add_rms_norm_ref`, `gated_rms_norm_ref`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ._triton import HAS_TRITON, check_triton, tl, triton
+
+
+def _f(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.float64 else x.float()
+
+
+def rms_norm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """Twin: x * rsqrt(mean(x^2) + eps) * (1 + w), in fp32, cast to x's dtype. x [..., H], w [H]."""
+    xf = _f(x)
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * (1.0 + w.to(y.dtype))).to(x.dtype)
+
+
+def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Twin: s = x + residual (in x's dtype) -> (rms_norm(s), s)."""
+    s = x + residual
+    return rms_norm_ref(s, w, eps), s
+
+
+def gated_rms_norm_ref(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """Twin: (w * (x * rsqrt(mean(x^2) + eps)).to(dt)) * silu(z in fp32), cast to dt. x, z [..., D], w [D]."""
+    dt = x.dtype
+    xf = _f(x)
+    y = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dt)
+    return (y * F.silu(z.to(torch.float64 if dt == torch.float64 else torch.float32))).to(dt)
+
+
+if HAS_TRITON:
+    from ._triton import cast_rn
+
+    @triton.jit
+    def _rms_norm_kernel(x, res, w, y, s_out, z, H, eps, sx, sr, sy, ss, sz,
+                         BLOCK: tl.constexpr, MODE: tl.constexpr, RESIDUAL: tl.constexpr):
+        """MODE 0: (1 + w) RMSNorm; MODE 1: gated (plain w, times silu(z))."""
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.arange(0, BLOCK)
+        ok = c < H
+        xv = tl.load(x + row * sx + c, mask=ok, other=0.0)
+        if RESIDUAL:
+            xv = cast_rn(xv.to(tl.float32) + tl.load(res + row * sr + c, mask=ok, other=0.0).to(tl.float32),
+                    x.dtype.element_ty)
+            tl.store(s_out + row * ss + c, xv, mask=ok)
+        xf = xv.to(tl.float32)
+        n = xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / H + eps)
+        wv = tl.load(w + c, mask=ok, other=0.0)
+        if MODE == 0:
+            out = n * (1.0 + wv.to(tl.float32))
+        else:
+            # w * n.to(dt) in the promoted dtype of (w, dt), as the torch module computes it; then silu(z) in fp32
+            n = wv.to(tl.float32) * cast_rn(n, y.dtype.element_ty).to(tl.float32)
+            if wv.dtype != tl.float32:
+                n = cast_rn(n, wv.dtype).to(tl.float32)
+            zf = tl.load(z + row * sz + c, mask=ok, other=0.0).to(tl.float32)
+            out = n * (zf / (1.0 + tl.exp(-zf)))
+        tl.store(y + row * sy + c, cast_rn(out, y.dtype.element_ty), mask=ok)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """[..., H] -> a 2-D [rows, H] view (a copy only when the leading dims cannot be flattened)."""
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def _launch(x: torch.Tensor, w: torch.Tensor, eps: float, mode: int, res: torch.Tensor | None = None,
+            z: torch.Tensor | None = None, out: torch.Tensor | None = None,
+            out_sum: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    check_triton(x)
+    H = x.shape[-1]
+    x2 = _rows(x)
+    y = out if out is not None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y2 = y.view(-1, H)
+    r2 = _rows(res) if res is not None else x2
+    s = (out_sum if out_sum is not None else torch.empty_like(y)) if res is not None else None
+    s2 = s.view(-1, H) if s is not None else y2
+    z2 = _rows(z) if z is not None else x2
+    if x2.shape[0]:
+        _rms_norm_kernel[(x2.shape[0],)](x2, r2, w, y2, s2, z2, H, eps, x2.stride(0), r2.stride(0), y2.stride(0),
+                                         s2.stride(0), z2.stride(0), BLOCK=triton.next_power_of_2(H), MODE=mode,
+                                         RESIDUAL=res is not None, num_warps=4 if H <= 2048 else 8)
+    return y, s
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton twin of `rms_norm_ref`: x [..., H] (any leading strides, last dim contiguous), w [H].
+    `out`: a preallocated contiguous result (here and below)."""
+    return _launch(x, w, eps, 0, out=out)[0]
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float,
+                 out: torch.Tensor | None = None, out_sum: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton twin of `add_rms_norm_ref`: (rms_norm(x + residual), x + residual) in one pass."""
+    y, s = _launch(x, w, eps, 0, res=residual, out=out, out_sum=out_sum)
+    assert s is not None
+    return y, s
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton twin of `gated_rms_norm_ref`: x, z [..., D] (e.g. [N, T, nv, dv] per value head), w [D]."""
+    return _launch(x, w, eps, 1, z=z, out=out)[0]

@@ -1,0 +1,39 @@
+"""Shared bits of the kernel tests (tests/test_ops_*.py): device, dtypes, tolerances, the triton skip."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.model.ops._triton import HAS_TRITON
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: kernels run under TRITON_INTERPRET=1 (conftest)
+DTYPES = [torch.float32, torch.bfloat16]
+
+needs_triton = pytest.mark.skipif(
+    not HAS_TRITON,
+    reason="triton is not installed: the Triton kernels are tested only with it (pip install -e '.[test]'; "
+           "on a CPU-only machine they run under TRITON_INTERPRET=1)")
+
+
+def rand(*shape: int, dtype: torch.dtype = torch.float32, gen: torch.Generator | None = None,
+         scale: float = 1.0) -> torch.Tensor:
+    """Standard-normal test data (made in fp32 on the CPU, then moved), times `scale`."""
+    return (torch.randn(*shape, generator=gen) * scale).to(device=DEVICE, dtype=dtype)
+
+
+def nans(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A NaN-poisoned output buffer: any element a kernel fails to write stays NaN."""
+    return torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Kernel vs twin: tight in fp32, about one bf16 rounding step in bf16; never NaN."""
+    assert not got.isnan().any(), "output has NaN (an element was not written, or bad math)"
+    if got.dtype == torch.float32 and want.dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1e-2)
+
+
+def assert_bitwise(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    assert torch.equal(got, want), f"{what}: not bitwise equal (max diff {(got.float() - want.float()).abs().max()})"

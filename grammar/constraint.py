@@ -37,6 +37,14 @@ does with K+1 bitmasks, lets acceptance follow the masked argmax. In `SpecSessio
 Exact: column j's masked argmax is what constrained plain greedy picks after the same prefix (penalties
 leave -inf entries at -inf, so their order does not matter); `_apply_constraint` then never cuts.
 `window_mask` reuses the masks computed while drafting: one extra mask per round.
+
+Proposed engine hook (draft-mask). Today a draft the grammar forbids ends the chain, although a trained
+drafter's runner-up is often the legal continuation. In `SpecSession._draft`, before choosing d_j:
+
+    if cons is not None and hasattr(cons, "draft_mask_logits"):
+        row = cons.draft_mask_logits(row)
+
+Drafts never affect exactness; this only raises acceptance (bench/grammar_mask.py measures both hooks).
 """
 from __future__ import annotations
 
@@ -193,6 +201,16 @@ class GuidanceConstraint:
         if row.shape[-1] != self._n_vocab:
             raise ValueError(f"logit row has {row.shape[-1]} entries, the grammar's vocabulary {self._n_vocab}")
         return row.masked_fill(~self.allowed_mask(row.device), float("-inf"))
+
+    def draft_mask_logits(self, row: torch.Tensor) -> torch.Tensor:
+        """`row` ([..., V]) masked by the state the drafts so far reach, without settling: for the proposed
+        draft-side engine hook (module docstring), so the drafter proposes grammar-legal tokens."""
+        if not self._drafting:
+            self.draft_begin()
+        if self._st[0] == _THINK:
+            return row
+        allowed = self._unpack(self._state_bits(self._st, self._grammar_bits())[None], row.device)[0]
+        return row.masked_fill(~allowed, float("-inf"))
 
     def allowed_mask(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """bool [V]: the tokens allowed next in the committed state (all True inside reasoning)."""

@@ -336,6 +336,36 @@ def test_draft_consumes_then_rolls_back(compiler, tok):
     assert _mask_set(c) == set(tok.eos_token_ids)
 
 
+def test_window_and_draft_masks_follow_the_drafted_states(compiler, tok, gtok):
+    """The hooks proposed for the engine: window_mask row j and draft_mask_logits after j drafts equal the
+    mask of a fresh constraint that consumed the same j tokens (reasoning phase and separator included)."""
+    src = source_from_request(structured_outputs={"regex": r"(ab|cd)+!"})
+    think, nl = gtok.think_end_id, tok.encode("\n")[0]
+    seq = tok.encode("hm") + [think, nl] + tok.encode("abcdab!")
+
+    def mask_after(n):
+        ref = _constraint(compiler, src, reasoning=True)
+        for t in seq[:n]:
+            ref.consume(t)
+        return ref.allowed_mask()
+
+    c = _constraint(compiler, src, reasoning=True)
+    c.consume(seq[0])
+    c.draft_begin()
+    for n in range(1, len(seq)):
+        assert torch.equal(torch.isfinite(c.draft_mask_logits(torch.zeros(N_VOCAB))), mask_after(n)), n
+        assert c.draft_allowed(seq[n])
+    w = c.window_mask(len(seq))
+    assert w.shape == (len(seq), N_VOCAB)
+    for j in range(len(seq)):
+        assert torch.equal(w[j], mask_after(1 + j)), j
+    with pytest.raises(ValueError):
+        c.window_mask(len(seq) + 1)
+    c.consume(seq[1])
+    with pytest.raises(RuntimeError, match="before the verify walk"):
+        c.window_mask(1)
+
+
 def test_reasoning_phase_then_separator_then_grammar(compiler, tok, gtok):
     src = source_from_request(structured_outputs={"choice": ["yes", "no"]})
     think, nl = gtok.think_end_id, tok.encode("\n")[0]

@@ -153,6 +153,38 @@ def test_bad_tool_parameter_schema_is_grammar_error(compiler):
     assert ei.value.param == "tools" and "minimum" in ei.value.message
 
 
+def test_openai_sdk_parse_schema_compiles_and_accepts_instances(compiler, tok):
+    """`client.chat.completions.parse(response_format=Model)` sends the SDK's strict schema ($defs, enums,
+    nullable anyOf, titles, descriptions); it compiles and takes a model_dump of a valid instance."""
+    enum = pytest.importorskip("enum")
+    pydantic = pytest.importorskip("pydantic")
+    to_strict = pytest.importorskip("openai.lib._pydantic").to_strict_json_schema
+
+    class Color(str, enum.Enum):
+        red = "red"
+        blue = "blue"
+
+    class Addr(pydantic.BaseModel):
+        street: str
+        zip: str | None = None
+
+    class Person(pydantic.BaseModel):
+        """A person."""
+        name: str = pydantic.Field(description="full name")
+        age: int = pydantic.Field(ge=0, le=150)
+        color: Color
+        tags: list[str]
+        addr: Addr
+        score: float | None
+
+    schema = to_strict(Person)
+    src = source_from_request(response_format={"type": "json_schema",
+                                               "json_schema": {"name": "Person", "schema": schema, "strict": True}})
+    good = Person(name="Ann", age=3, color="red", tags=["x"], addr=Addr(street="Main St"), score=None)
+    assert _accepts(compiler, tok, src, json.dumps(good.model_dump(mode="json")))
+    assert not _accepts(compiler, tok, src, json.dumps({**good.model_dump(mode="json"), "age": 151}))
+
+
 def test_bounds_and_cache(gtok):
     small = GrammarCompiler(gtok, max_bytes=64)
     with pytest.raises(GrammarError, match="over the 64-byte grammar limit"):

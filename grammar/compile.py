@@ -39,13 +39,11 @@ DEFAULT_CACHE_SIZE = 256
 THINK_END = "</think>"
 _MAX_SEPARATOR_NEWLINES = 8  # "\n" * n tokens looked up for the post-</think> separator
 
-KINDS = ("json_schema", "json_object", "regex", "lark", "choice", "tool_calls")
-
-
 @dataclass(frozen=True)
 class GrammarSource:
-    """What to compile. `text` is canonical (sorted-key-free JSON dump of a schema / choice list / tool list, or
-    the regex / lark text as given); `param` is the request field it came from (for error messages)."""
+    """What to compile. kind: json_schema | json_object | regex | lark | choice | tool_calls. `text` is the
+    JSON dump (key order kept) of a schema / choice list / tool list, or the regex / lark text as given;
+    `param` is the request field it came from (for error messages)."""
 
     kind: str
     text: str
@@ -55,7 +53,8 @@ class GrammarSource:
 
     @property
     def key(self) -> tuple:
-        return (self.kind, self.text, self.json_options, self.parallel)
+        """Cache key (param included: cached errors name the field they came from)."""
+        return (self.kind, self.text, self.json_options, self.parallel, self.param)
 
 
 def _json_text(value: Any, param: str, what: str) -> str:
@@ -263,7 +262,7 @@ class CompileResult:
 
 class GrammarCompiler:
     """Compiles GrammarSources for one tokenizer, bounded (source size, compile time) and LRU-cached by
-    (tokenizer key, kind, source text, options). Thread-safe: call `compile` from worker threads."""
+    (tokenizer key, GrammarSource.key). Thread-safe: call `compile` from worker threads."""
 
     def __init__(self, tokenizer: GuidanceTokenizer, *, max_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES,
                  timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S, cache_size: int = DEFAULT_CACHE_SIZE) -> None:
@@ -295,7 +294,7 @@ class GrammarCompiler:
         key = (self.tokenizer.key,) + src.key
         hit = self._get(key)
         if isinstance(hit, GrammarError):
-            raise hit
+            raise GrammarError(hit.message, hit.param)  # a fresh exception: no traceback build-up
         if hit is not None:
             return CompileResult(hit, 0.0, True)
         t0 = time.perf_counter()

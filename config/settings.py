@@ -60,9 +60,10 @@ class ServeSettings(BaseModel):
     max_model_len: int | None = Field(
         None, ge=2, description=f"context length, prompt + completion (default: min(checkpoint, "
                                 f"{DEFAULT_MAX_MODEL_LEN_CAP}))")
-    max_num_seqs: int = Field(8, ge=1, description="sessions decoded concurrently (round-robin bursts)")
+    max_num_seqs: int = Field(8, ge=1, description="sessions decoded together in one batched round (state-pool slots)")
+    max_num_batched_tokens: int = Field(
+        512, ge=1, description="tokens one scheduler step may run (the round's verify tokens, then prompt chunks)")
     max_queue: int = Field(64, ge=1, description="sessions waiting for a slot before requests get 429")
-    burst_rounds: int = Field(4, ge=1, description="verify rounds one session runs before the next gets a turn")
     api_key: str | None = Field(
         None, min_length=1, description="require `Authorization: Bearer KEY` on /v1/* (default: no key)")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available, else cpu")

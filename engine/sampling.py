@@ -1,11 +1,12 @@
 """Logit processing shared by plain and speculative decoding: penalties, temperature, top-k/top-p/min-p.
 
-`SpecSampling` is the per-request value; `process` turns one fp32 logit row into the distribution that
-both plain sampling and spec rejection sampling use, so the two are equal in distribution.
+`SpecSampling` is the per-request value; `probs_from_logits` turns fp32 logit rows into the distribution that
+both plain sampling and spec rejection sampling use, so the two are equal in distribution. Everything runs on
+the logits' device without reading values back to the host: penalty history lives in device tensors and draws
+use a per-session generator on that device (same seed -> same tokens on the same device).
 """
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -47,54 +48,57 @@ class SpecSampling:
 
 
 class PenaltyState:
-    """Token history for penalties: repetition over prompt + output, frequency/presence over output only."""
+    """Token history for penalties, on the device: `seen` [V] (prompt + output, repetition penalty) and
+    `counts` [V] (output only, frequency / presence penalties)."""
 
-    def __init__(self, prompt_ids: list[int]):
-        self.seen: set[int] = set(prompt_ids)
-        self.out_counts: Counter[int] = Counter()
+    def __init__(self, prompt_ids: list[int], vocab_size: int, device: torch.device | str):
+        self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        self.counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+        if prompt_ids:
+            self.seen[torch.tensor(prompt_ids, device=device)] = True
 
-    def push(self, tok: int) -> None:
-        self.seen.add(tok)
-        self.out_counts[tok] += 1
+    def push(self, toks: list[int]) -> None:
+        """Record emitted tokens."""
+        idx = torch.tensor(toks, device=self.seen.device)
+        self.seen[idx] = True
+        self.counts.index_add_(0, idx, torch.ones(len(toks), device=idx.device))
 
-    def apply(self, row: torch.Tensor, s: SpecSampling, extra: list[int] = ()) -> torch.Tensor:
-        """Penalised copy of fp32 logits `row` [V], as if `extra` tokens had been pushed too."""
+    def apply(self, rows: torch.Tensor, s: SpecSampling, extra: torch.Tensor | None = None) -> torch.Tensor:
+        """Penalised copy of fp32 logits `rows` [..., V], as if each row's `extra` tokens [..., E] (long, -1 =
+        none) had been pushed too. Returns `rows` itself when the request has no penalties."""
         if not s.has_penalties:
-            return row
-        row = row.clone()
-        counts = self.out_counts.copy()
-        counts.update(extra)
+            return rows
+        counts = self.counts.expand(rows.shape).to(rows.dtype)
+        seen = self.seen.expand(rows.shape)
+        if extra is not None and extra.numel():
+            add = torch.zeros_like(rows).scatter_add_(-1, extra.clamp_min(0), (extra >= 0).to(rows.dtype))
+            counts, seen = counts + add, seen | (add > 0)
         if s.repetition_penalty != 1.0:
-            ids = torch.tensor(sorted(self.seen.union(extra)), dtype=torch.long, device=row.device)
-            if ids.numel():
-                v = row[ids]
-                row[ids] = torch.where(v > 0, v / s.repetition_penalty, v * s.repetition_penalty)
-        if counts and (s.frequency_penalty or s.presence_penalty):
-            ids = torch.tensor(list(counts), dtype=torch.long, device=row.device)
-            c = torch.tensor([counts[i] for i in counts], dtype=row.dtype, device=row.device)
-            row[ids] -= s.frequency_penalty * c + s.presence_penalty
-        return row
+            rp = s.repetition_penalty
+            rows = torch.where(seen, torch.where(rows > 0, rows / rp, rows * rp), rows)
+        if s.frequency_penalty or s.presence_penalty:
+            rows = rows - (s.frequency_penalty * counts + s.presence_penalty * (counts > 0).to(rows.dtype))
+        return rows
 
 
-def probs_from_logits(row: torch.Tensor, s: SpecSampling) -> torch.Tensor:
-    """fp32 logits [V] (already penalised) -> sampling distribution [V] after temperature, top-k, top-p, min-p."""
-    p = torch.softmax(row.double() / s.temperature, dim=-1)
-    if s.top_k > 0 and s.top_k < p.numel():
-        kth = torch.topk(p, s.top_k).values[-1]
+def probs_from_logits(rows: torch.Tensor, s: SpecSampling) -> torch.Tensor:
+    """fp32 logits [..., V] (already penalised) -> sampling distribution [..., V] (float64) after temperature,
+    top-k, top-p, min-p."""
+    p = torch.softmax(rows.double() / s.temperature, dim=-1)
+    if s.top_k > 0 and s.top_k < p.shape[-1]:
+        kth = torch.topk(p, s.top_k, dim=-1).values[..., -1:]
         p = torch.where(p >= kth, p, torch.zeros_like(p))
     if s.min_p > 0.0:
-        p = torch.where(p >= s.min_p * p.max(), p, torch.zeros_like(p))
+        p = torch.where(p >= s.min_p * p.amax(dim=-1, keepdim=True), p, torch.zeros_like(p))
     if s.top_p < 1.0:
-        sp, idx = torch.sort(p, descending=True)
-        csum = torch.cumsum(sp, dim=0)
-        keep = (csum - sp) < s.top_p * csum[-1]  # smallest prefix reaching top_p of the mass
-        mask = torch.zeros_like(p, dtype=torch.bool)
-        mask[idx[keep]] = True
-        p = torch.where(mask, p, torch.zeros_like(p))
-    return p / p.sum()
+        sp, idx = torch.sort(p, dim=-1, descending=True)
+        csum = torch.cumsum(sp, dim=-1)
+        keep = (csum - sp) < s.top_p * csum[..., -1:]  # smallest prefix reaching top_p of the mass
+        p = torch.where(torch.zeros_like(keep).scatter(-1, idx, keep), p, torch.zeros_like(p))
+    return p / p.sum(dim=-1, keepdim=True)
 
 
-def sample(p: torch.Tensor, gen: torch.Generator) -> int:
-    """Draw one token id from distribution p [V] (float64) with the CPU generator `gen` (same seed -> same draw
-    on any device)."""
-    return int(torch.multinomial(p.cpu(), 1, generator=gen).item())
+def sample(p: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """One token id per row of distribution p [..., V] (float64), drawn with `gen` (a generator on p's
+    device); returns a long tensor [...] on p's device (no host sync)."""
+    return torch.multinomial(p.reshape(-1, p.shape[-1]), 1, generator=gen).reshape(p.shape[:-1])

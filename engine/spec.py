@@ -1,16 +1,21 @@
-"""MTP (NextN) speculative decoding, exact for greedy: the emitted stream equals plain greedy decode.
+"""MTP (NextN) speculative decoding, exact for greedy: the emitted stream equals plain greedy decode, and a
+round runs every active session of a batch at once.
 
-One round (`SpecSession._spec_round`):
-  1. draft: the MTP head first writes its pending committed rows (exact trunk hiddens) and its last row
-     yields d0; chained steps feed the head's own hidden and yield d1..d_{k-1} (p-min may cut the chain:
-     the failing token is discarded and counted nowhere);
-  2. verify: one trunk forward over [last, d0..d_{k-1}] (T = k+1, all columns), keeping per-position GDN states;
-  3. accept: n_acc = longest prefix with argmax(col j) == d_j, bonus = argmax(col n_acc); an optional
-     SpecConstraint then truncates at the first illegal accepted token and replaces an illegal bonus by the
-     masked argmax of the target's own column (exact: a legal unmasked argmax IS the masked argmax);
-  4. commit last + d[:n_acc], emit d[:n_acc] + [bonus], roll every cache back to the committed length in
-     O(state) (attention KV by length, GDN from the recorded per-position state).
-Sampling (temperature > 0) replaces 3 by Leviathan/Chen rejection sampling (equal in distribution).
+One round (`spec_round`, over the N running sessions of one state pool):
+  1. draft: one MTP head forward per depth for all rows. Depth 0 writes each row's queued committed rows
+     (exact trunk hiddens) and its last row yields d0; chained depths feed the head's own hidden and yield
+     d1..d_{k-1}. Greedy and sampled drafts, penalties and the p-min cut are decided on the device;
+  2. verify: one trunk forward over [last, d0..d_{k-1}] for every row (N x T tokens, rows with fewer drafts
+     padded to T = max k + 1), writing the GDN state after every token to its own window slot;
+  3. accept on the device: n_acc = longest prefix with argmax(col j) == d_j, bonus = argmax(col n_acc) (greedy)
+     or Leviathan/Chen rejection sampling (sampled rows, equal in distribution);
+  4. ONE host copy of (n_acc, drafted, tokens) for all rows; per row on the host: an optional SpecConstraint
+     truncates at the first illegal accepted token and replaces an illegal bonus by the masked argmax of the
+     target's own column (exact: a legal unmasked argmax IS the masked argmax); EOS among accepted drafts ends
+     the row; commit last + d[:n_acc], emit d[:n_acc] + [bonus], and roll back in O(1): attention KV by length,
+     GDN by making the recorded slot of the last kept token live.
+`SpecSession` holds one request's state; `engine.scheduler.Scheduler` batches sessions (continuous batching,
+chunked prefill). A session built without a scheduler runs alone on a private one-slot pool (`generate_spec`).
 """
 from __future__ import annotations
 
@@ -20,13 +25,13 @@ from typing import Callable, Protocol, runtime_checkable
 
 import torch
 
-from .cache import ModelCache, MtpScratch
-from .model.qwen35 import Qwen35ForCausalLM
+from .cache import ModelCache, MtpScratch, StatePool
+from .model.qwen35 import FwdCtx, Qwen35ForCausalLM
 from .sampling import PenaltyState, SpecSampling, probs_from_logits, sample
 
 __all__ = [
     "SPEC_TELEM_POS", "SpecTelemetry", "SpecSampling", "SpecConstraint", "SpecSession", "TokenLogprob",
-    "decode_step_t", "mtp_head_forward", "generate_spec", "prefill",
+    "decode_step_t", "mtp_head_forward", "generate_spec", "prefill", "spec_round",
 ]
 
 SPEC_TELEM_POS = 8  # tracked draft positions (serve K defaults to 3; gates sweep K = 1..8)
@@ -131,8 +136,7 @@ def prefill(model: Qwen35ForCausalLM, ids: list[int], cache: ModelCache, chunk: 
         if want_hidden:
             pres.append(h)
         last = h[-1]
-    hpost_last = model.model.norm(last)
-    logits = model.logits(hpost_last)
+    logits = model.logits(model.model.norm(last))
     if not want_hidden:
         return logits, None, None
     pre = torch.cat(pres)
@@ -141,10 +145,10 @@ def prefill(model: Qwen35ForCausalLM, ids: list[int], cache: ModelCache, chunk: 
 
 def decode_step_t(model: Qwen35ForCausalLM, tokens: list[int], pos0: int, cache: ModelCache,
                   record: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One target forward over T tokens at positions pos0.. (cache.length must equal pos0); advances the cache by T.
-
-    Returns (fp32 logits [T, V] for every column, post-norm hidden [T, H], pre-norm hidden [T, H]).
-    record=True keeps per-position GDN states (the caller must have called cache.snapshot())."""
+    """One target forward over T tokens of one sequence at positions pos0.. (cache.length must equal pos0);
+    advances the cache by T. Returns (fp32 logits [T, V] for every column, post-norm hidden [T, H], pre-norm
+    hidden [T, H]). record=True keeps per-position GDN states (the caller must have called cache.snapshot()).
+    The batched round uses `verify_step`; this is the same forward for a single `ModelCache`."""
     assert cache.length == pos0, (cache.length, pos0)
     cache.check_room(len(tokens))
     x = torch.tensor([tokens], device=model.lm_head.weight.device)
@@ -156,25 +160,29 @@ def decode_step_t(model: Qwen35ForCausalLM, tokens: list[int], pos0: int, cache:
 
 def mtp_head_forward(model: Qwen35ForCausalLM, tokens: list[int], hidden: torch.Tensor, pos: int,
                      scratch: MtpScratch, chunk: int = PREFILL_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
-    """NextN step(s): rows (token i+1, trunk/head hidden of row i) at positions pos.. write the head's K/V into
-    `scratch`; returns (fp32 draft logits of the LAST row [V], head hidden after mtp.norm of the last row [1, H]).
-    T = 1 for a chained draft; after a prefill T is the prompt length, run in chunks of `chunk` rows, and only the
-    last row (the one whose draft is used) ever gets logits, so memory stays O(chunk * context + V)."""
+    """NextN step(s) for one sequence: rows (token i+1, trunk/head hidden of row i) at positions pos.. write the
+    head's K/V into `scratch`; returns (fp32 draft logits of the LAST row [V], head hidden of the last row
+    [1, H]). Long queues (after a prefill) run in chunks of `chunk` rows and only the last row (the one whose draft
+    is used) ever gets logits, so memory stays O(chunk * context + V). The batched round drafts in `_draft`."""
     hm = hidden[:0]
+    dt = model.model.embed_tokens.weight.dtype
     for c0 in range(0, len(tokens), chunk):
         x = torch.tensor([tokens[c0:c0 + chunk]], device=hidden.device)
-        hm = model.mtp_forward(x, hidden[None, c0:c0 + chunk], pos + c0, scratch.kv)[0]  # [t, H]
+        ctx = FwdCtx.make(model.config, hidden.device, dt, [scratch.slot], [pos + c0], [0], [0], x.shape[1], False)
+        hm = model.mtp_forward(x, hidden[None, c0:c0 + chunk], ctx, scratch.kv)[0]  # [t, H]
     last = hm[-1:]  # [1, H]
     return model.logits(last[0]), last
 
 
 class SpecSession:
-    """Per-request decode state: trunk cache, MTP scratch, committed tokens, telemetry.
+    """Per-request decode state: a slot of a state pool (trunk cache + MTP scratch), committed tokens,
+    penalty history, generator, telemetry.
 
-    k = 0 (or a model without MTP) is plain decode. `step(max_rounds)` is the worker's unit of work: the first
-    call runs prefill and emits the first token; later calls run up to max_rounds rounds (verify rounds for
-    k > 0, single-token steps for k = 0) and return the newly emitted token ids. Greedy output is identical
-    for every k; `max_new_tokens` is never exceeded (the last rounds draft fewer tokens instead).
+    k = 0 (or a model without MTP) is plain decode. Alone (no scheduler): `step(max_rounds)` runs prefill and
+    emits the first token on the first call, then up to max_rounds rounds, and returns the newly emitted token
+    ids. Inside a `Scheduler` the scheduler drives `prefill_chunk` / `spec_round` instead. Greedy output is
+    identical for every k and every batch; `max_new_tokens` is never exceeded (the last rounds draft fewer
+    tokens instead).
     """
 
     def __init__(self, model: Qwen35ForCausalLM, prompt_ids: list[int], max_new_tokens: int, *, k: int = 3,
@@ -182,7 +190,7 @@ class SpecSession:
                  eos_ids: list[int] | tuple[int, ...] | set[int] = (), p_min: float = 0.0,
                  capmax: int = DEFAULT_CAPMAX, logprobs: int | None = None, hidden_mode: str = "post",
                  max_len: int | None = None, draft_override: Callable[[int, int, int], int] | None = None,
-                 stats_line: bool = False):
+                 stats_line: bool = False, pool: StatePool | None = None):
         if not prompt_ids:
             raise ValueError("prompt must contain at least one token")
         if max_new_tokens < 1:
@@ -203,11 +211,13 @@ class SpecSession:
         self.stats_line = stats_line
         self.prompt_ids = list(prompt_ids)
         self.max_new_tokens = max_new_tokens
-        dev, dt = model.lm_head.weight.device, cfg.dtype
+        self.device, self.dtype = model.lm_head.weight.device, cfg.dtype
         need = len(prompt_ids) + max_new_tokens + capmax + 1
         self.max_len = max(max_len or 0, need)
-        self.cache = ModelCache(cfg, self.max_len, dev, dt, window=capmax + 1)
-        self.scratch = MtpScratch(cfg, self.max_len, dev, dt) if self.k > 0 else None
+        self.pool: StatePool | None = None
+        self.slot: int | None = None
+        self.cache: ModelCache = None  # type: ignore[assignment]  # set by attach()
+        self.scratch: MtpScratch | None = None
         self.committed: list[int] = []  # tokens whose K/V + state are in the trunk cache
         self.pending: int | None = None  # last emitted token, not yet in the trunk cache
         self.emitted: list[int] = []
@@ -219,36 +229,56 @@ class SpecSession:
         self.constraint_cuts = 0  # rounds where the constraint truncated acceptance
         self.finished = False
         self.finish_reason: str | None = None
-        self._started = False
-        self._pen = PenaltyState(self.prompt_ids)
-        self._gen = torch.Generator(device="cpu")
+        self.error: BaseException | None = None  # set when the scheduler failed this session
+        self._pen = PenaltyState(self.prompt_ids, cfg.vocab_size, self.device)
+        self._gen = torch.Generator(device=self.device)
         self._gen.manual_seed(sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
         # MTP rows waiting to be written: row i = (token i+1, carrier hidden h_i), rows scratch.length..
         self._mtp_tokens: list[int] = []
         self._mtp_hidden: torch.Tensor | None = None
         self.prefill_tokens = 0  # tokens run through prefill (multi-turn reuse prefills only the new suffix)
+        self._to_prefill: list[int] = []  # ids not yet prefilled (their first `_prefilled` are done)
+        self._prefilled = 0
         self._constraint_consumed = 0  # drafts already consumed by the constraint walk of this round
         self._closed = False
+        if pool is None:  # alone: a private one-slot pool sized for this request
+            pool = StatePool(cfg, 1, self.max_len, self.k + 1, self.device, self.dtype, mtp=self.k > 0)
+        if self.k + 1 > pool.window:
+            raise ValueError(f"k={self.k} needs {self.k + 1} GDN state slots; the pool has {pool.window}")
+        self.attach(pool, pool.alloc())
+        self.begin_prefill(self.prompt_ids)
 
     # ------------------------------------------------------------------ public
+    @property
+    def started(self) -> bool:
+        """The first token was emitted."""
+        return bool(self.emitted) or self.pending is not None
+
+    @property
+    def prefilling(self) -> bool:
+        """Prompt tokens are still waiting for prefill."""
+        return self._prefilled < len(self._to_prefill)
+
+    def attach(self, pool: StatePool, slot: int) -> None:
+        """Bind this session to `slot` of `pool` (empty state)."""
+        self.pool, self.slot = pool, slot
+        self.cache = ModelCache(self.cfg, min(self.max_len, pool.capacity), pool=pool, slot=slot)
+        self.cache.reset()
+        self.scratch = MtpScratch(self.cfg, pool.capacity, pool=pool, slot=slot) if self.k > 0 else None
+
     def step(self, max_rounds: int = 1) -> list[int]:
-        """Advance the session; returns the newly emitted token ids (empty only once finished)."""
+        """Alone: advance the session; returns the newly emitted token ids (empty only once finished)."""
         if self.finished or self._closed:
             return []
         start = len(self.emitted)
-        if not self._started:
-            self._started = True
-            self._prefill()
+        if not self.started:
+            while self.prefilling:
+                self.prefill_chunk(PREFILL_CHUNK)
             return self.emitted[start:]
         for _ in range(max_rounds):
             if self.finished:
                 break
-            remaining = self.max_new_tokens - len(self.emitted)
-            k_round = min(self.k, remaining - 1)
-            if k_round > 0:
-                self._spec_round(k_round)
-            else:
-                self._plain_step()
+            spec_round(self.model, [self])
         return self.emitted[start:]
 
     def run(self) -> list[int]:
@@ -258,219 +288,112 @@ class SpecSession:
         return list(self.emitted)
 
     def close(self) -> None:
-        """Free the caches (idempotent). The session cannot step afterwards."""
+        """Give the pool slot back (idempotent). The session cannot step afterwards."""
         if self._closed:
             return
         self._closed = True
         self.finished = True
         self.finish_reason = self.finish_reason or "abort"
-        self.cache = None  # type: ignore[assignment]
-        self.scratch = None
+        if self.pool is not None and self.slot is not None:
+            self.pool.free(self.slot)
         self._mtp_hidden = None
 
     def continue_turn(self, prompt_ids: list[int], max_new_tokens: int) -> None:
         """Multi-turn reuse: `prompt_ids` must start with this session's whole sequence (prompt + emitted);
         only the new suffix is prefilled. The session then generates up to max_new_tokens more tokens."""
-        if self._closed or not self._started:
+        if self._closed or not self.started:
             raise RuntimeError("continue_turn needs a started, open session")
         if self.constraint is not None:
             raise ValueError("continue_turn is not supported with a constraint")
         seq = self.committed + [self.pending]
         if len(prompt_ids) <= len(seq) or prompt_ids[:len(seq)] != seq:
             raise ValueError("new prompt does not extend the committed sequence")
-        if len(prompt_ids) + max_new_tokens + self.capmax + 1 > self.max_len:
+        if len(prompt_ids) + max_new_tokens + self.capmax + 1 > self.cache.max_len:
             raise ValueError("continued turn does not fit in the session's max_len")
         suffix = prompt_ids[len(self.committed):]
         self.prompt_ids = list(prompt_ids)
-        self._pen = PenaltyState(self.prompt_ids)
+        self._pen = PenaltyState(self.prompt_ids, self.cfg.vocab_size, self.device)
         self.emitted, self.logprobs = [], []
+        self.pending = None
         self.max_new_tokens = max_new_tokens
         self.finished, self.finish_reason = False, None
-        self._start_from(suffix)
+        self.begin_prefill(suffix)
+        while self.prefilling:  # alone: prefill now (the first token of the new turn is emitted)
+            self.prefill_chunk(PREFILL_CHUNK)
 
-    # ------------------------------------------------------------------ internals
-    def _prefill(self) -> None:
-        self._start_from(self.prompt_ids)
+    def begin_prefill(self, ids: list[int]) -> None:
+        """Queue `ids` (a prompt, or a later turn's suffix) for prefill."""
+        self._to_prefill, self._prefilled = list(ids), 0
 
     @torch.inference_mode()
-    def _start_from(self, ids: list[int]) -> None:
-        logits, post, pre = prefill(self.model, ids, self.cache, want_hidden=self.k > 0)
+    def prefill_chunk(self, budget: int) -> int:
+        """Prefill up to `budget` queued prompt tokens (one trunk forward, chunked GDN); the MTP head takes the
+        chunk's rows right away, except the prompt's last row, which waits for the first token. The last chunk
+        also chooses and emits the first token. Returns the number of tokens prefilled."""
+        ids = self._to_prefill[self._prefilled:self._prefilled + max(1, budget)]
+        model, cache = self.model, self.cache
+        cache.check_room(len(ids))
+        x = torch.tensor([ids], device=self.device)
+        pos0 = cache.length
+        ctx = FwdCtx.make(self.cfg, self.device, self.dtype, [self.slot], [pos0], [cache.cur], [cache.cur], len(ids),
+                          False)
+        pre = model.forward_step(x, ctx, self.pool)[0]  # [t, H]
+        cache.length += len(ids)
+        self._prefilled += len(ids)
         self.prefill_tokens += len(ids)
-        first = self._choose(logits, [])
         self.committed += ids
+        post = model.model.norm(pre)
+        done = not self.prefilling
         if self.k > 0:
-            # rows for positions of `ids`: row i = (token i+1, h_i); the last one pairs with `first`
-            self._queue_mtp_rows(ids[1:] + [first], post if self.hidden_mode == "post" else pre)
-        self._emit([first], [logits])
-
-    def _choose(self, logits: torch.Tensor, extra: list[int]) -> int:
-        """Plain-decode choice for one fp32 logit row (penalties, constraint mask, greedy or sampled)."""
-        row = self._pen.apply(logits, self.sampling, extra)
-        if self.constraint is not None:
-            row = self.constraint.mask_logits(row)
-        if self.sampling.greedy:
-            return int(torch.argmax(row).item())
-        return sample(probs_from_logits(row, self.sampling), self._gen)
-
-    @torch.inference_mode()
-    def _plain_step(self) -> None:
-        tok = self.pending
-        assert tok is not None
-        pos0 = self.cache.length
-        logits, post, pre = decode_step_t(self.model, [tok], pos0, self.cache, record=False)
-        self.committed.append(tok)
-        self.pending = None
-        nxt = self._choose(logits[0], [])
-        if self.k > 0:
+            nxt = self._to_prefill[self._prefilled - len(ids) + 1:self._prefilled + 1]  # token i+1 of each row
             carrier = post if self.hidden_mode == "post" else pre
-            self._queue_mtp_rows([nxt], carrier)
-        self._emit([nxt], [logits[0]])
+            self._queue_mtp_rows(nxt, carrier[:len(nxt)])
+            self._flush_mtp()
+        if done:
+            logits = model.logits(post[-1])  # only the row that is used
+            first = self._choose(logits)
+            if self.k > 0:
+                self._queue_mtp_rows([first], (post if self.hidden_mode == "post" else pre)[-1:])
+            self._emit([first], logits[None])
+        return len(ids)
 
-    def _queue_mtp_rows(self, tokens: list[int], hidden: torch.Tensor) -> None:
-        self._mtp_tokens = self._mtp_tokens + tokens
-        self._mtp_hidden = hidden if self._mtp_hidden is None else torch.cat([self._mtp_hidden, hidden])
+    def k_round(self) -> int:
+        """Draft tokens this session wants in the next round (0 = a plain step): k, fewer near max_new_tokens."""
+        return max(0, min(self.k, self.max_new_tokens - len(self.emitted) - 1))
 
-    def _draft(self, k_round: int) -> tuple[list[int], list[torch.Tensor]]:
-        """Write the queued MTP rows, then chain drafts. Returns (drafts, draft fp32 logit rows)."""
-        model, sc = self.model, self.scratch
-        assert sc is not None and self._mtp_hidden is not None
-        n = len(self.committed)  # rows 0..n-1 become final once the queue is written
-        row, h = mtp_head_forward(model, self._mtp_tokens, self._mtp_hidden, sc.length, sc)  # [V], [1, H]
-        sc.set_len(n)
-        self._mtp_tokens, self._mtp_hidden = [], None
-        drafts: list[int] = []
-        rows: list[torch.Tensor] = []
-        cons = self.constraint
-        if cons is not None and hasattr(cons, "draft_begin"):
-            cons.draft_begin()
-        for j in range(k_round):
-            if j > 0:
-                row, h = mtp_head_forward(model, [drafts[-1]], h, n - 1 + j, sc)
-            proc = self._pen.apply(row, self.sampling, drafts)
-            q = None if self.sampling.greedy else probs_from_logits(proc, self.sampling)
-            # p-min tests the drafter's TOP probability before a token is chosen: whether position j is drafted
-            # never depends on which token is drawn, so rejection sampling against q stays exact
-            if self.p_min > 0.0 and j > 0:
-                if float((torch.softmax(proc, -1) if q is None else q).max().item()) < self.p_min:
-                    break  # discarded: counted in neither drafted nor accepted
-            d = int(torch.argmax(proc).item()) if q is None else sample(q, self._gen)
-            if self.draft_override is not None:
-                d = self.draft_override(n + 1 + j, j, d)
-            if cons is not None and hasattr(cons, "draft_allowed") and not cons.draft_allowed(d):
-                break
-            drafts.append(d)
-            rows.append(row if q is None else q)
-        return drafts, rows
-
-    @torch.inference_mode()
-    def _spec_round(self, k_round: int) -> None:
-        cache = self.cache
-        last = self.pending
-        assert last is not None
-        drafts, qrows = self._draft(k_round)
-        k = len(drafts)
-        n = cache.length
-        cache.snapshot()
-        logits, post, pre = decode_step_t(self.model, [last] + drafts, n, cache, record=True)  # [k+1, V]
-        if self.sampling.greedy:
-            n_acc, bonus = self._accept_greedy(logits, drafts)
-        else:
-            n_acc, bonus = self._accept_sampled(logits, drafts, qrows)
-        if self.constraint is not None:
+    def commit_round(self, drafted: int, n_acc: int, toks: list[int], logits: torch.Tensor,
+                     carrier: torch.Tensor) -> None:
+        """Host side of one round for this row: `toks` = accepted drafts + the bonus (n_acc + 1 tokens) as decided
+        on the device, `logits` [T, V] its verify logits, `carrier` [T, H] the hiddens the MTP head pairs with.
+        Applies the constraint's truncation rule and EOS, commits, rolls back (O(1)), emits."""
+        drafts, bonus = toks[:n_acc], toks[n_acc]
+        if self.constraint is not None and drafted == 0:  # a plain step: the masked choice, as plain decode does
+            bonus = self._choose(logits[0])
+        elif self.constraint is not None:
             n_acc, bonus = self._apply_constraint(logits, drafts, n_acc, bonus)
         out = drafts[:n_acc] + [bonus]
         eos_at = next((i for i, t in enumerate(out) if t in self.eos), None)
         if eos_at is not None and eos_at < n_acc:  # EOS among accepted drafts: nothing after it is emitted
             n_acc = eos_at + 1
             out = drafts[:n_acc]
-        # commit last + out[:-1] (out[-1] becomes pending); roll the trunk back in O(state)
-        cache.rollback(n + len(out))
-        cache.close_window()
-        self.committed += [last] + out[:-1]
-        carrier = post if self.hidden_mode == "post" else pre
-        self._queue_mtp_rows(out, carrier[: len(out)])  # rows n.. = (out[j], h_{n+j})
-        if k > 0:
-            self.telem.record_round(k, n_acc)
-            self.len_hist[k] += 1
+        n = self.cache.length
+        # keep [last] + out[:-1]; the GDN state after the last kept token sits in window slot len(out) - 1
+        self.cache.keep(n + len(out), len(out) - 1)
+        self.committed += [self.pending] + out[:-1]
+        if self.k > 0:
+            self._queue_mtp_rows(out, carrier[: len(out)])  # rows n.. = (out[j], h_{n+j})
+        if drafted > 0:
+            self.telem.record_round(drafted, n_acc)
+            self.len_hist[drafted] += 1
             self.acc_hist[n_acc] += 1
-            self.full_accept += int(n_acc == k)
-        self._emit(out, [logits[j] for j in range(len(out))])
+            self.full_accept += int(n_acc == drafted)
+        self._emit(out, logits[: len(out)])
 
-    def _accept_greedy(self, logits: torch.Tensor, drafts: list[int]) -> tuple[int, int]:
-        if self.sampling.has_penalties:
-            am = [int(torch.argmax(self._pen.apply(logits[j], self.sampling, drafts[:j])).item())
-                  for j in range(len(drafts) + 1)]
-        else:
-            am = logits.argmax(dim=-1).tolist()  # the one host sync of the round
-        n_acc = 0
-        while n_acc < len(drafts) and am[n_acc] == drafts[n_acc]:
-            n_acc += 1
-        return n_acc, am[n_acc]
-
-    def _accept_sampled(self, logits: torch.Tensor, drafts: list[int], qrows: list[torch.Tensor]) -> tuple[int, int]:
-        """Leviathan/Chen: accept d_j w.p. min(1, p/q); on reject draw from norm(max(0, p - q)); else bonus ~ p_k."""
-        s = self.sampling
-        for j, d in enumerate(drafts):
-            p = probs_from_logits(self._pen.apply(logits[j], s, drafts[:j]), s)
-            q = qrows[j]
-            u = float(torch.rand(1, generator=self._gen, dtype=torch.float64).item())
-            if u * float(q[d]) < float(p[d]):  # u < p/q without dividing by q
-                continue
-            resid = torch.clamp(p - q, min=0.0)
-            tot = float(resid.sum())
-            return j, sample(resid / tot if tot > 0 else p, self._gen)
-        k = len(drafts)
-        return k, sample(probs_from_logits(self._pen.apply(logits[k], s, drafts), s), self._gen)
-
-    def _apply_constraint(self, logits: torch.Tensor, drafts: list[int], n_acc: int, bonus: int) -> tuple[int, int]:
-        """Verify-side truncation rule; consumes every emitted token (drafts here, the bonus in `_emit`)."""
-        cons = self.constraint
-        assert cons is not None
-        cut = False
-        for j in range(n_acc):
-            if not cons.is_allowed(drafts[j]):
-                n_acc, cut = j, True
-                self.constraint_cuts += 1
-                break
-            cons.consume(drafts[j])
-        if cut or not cons.is_allowed(bonus):
-            row = self._pen.apply(logits[n_acc], self.sampling, drafts[:n_acc])
-            masked = cons.mask_logits(row)
-            if self.sampling.greedy:
-                bonus = int(torch.argmax(masked).item())
-            else:
-                bonus = sample(probs_from_logits(masked, self.sampling), self._gen)
-        self._constraint_consumed = n_acc
-        return n_acc, bonus
-
-    def _emit(self, toks: list[int], rows: list[torch.Tensor]) -> None:
-        """Append emitted tokens (the last one becomes pending), feed penalties/constraint, check stops."""
-        cons = self.constraint
-        pre_consumed, self._constraint_consumed = self._constraint_consumed, 0
-        for i, (t, row) in enumerate(zip(toks, rows)):
-            if cons is not None and i >= pre_consumed:
-                cons.consume(t)
-            self._pen.push(t)
-            self.emitted.append(t)
-            if self.want_logprobs is not None:
-                lp = torch.log_softmax(row.float(), dim=-1)
-                top = []
-                if self.want_logprobs > 0:
-                    v, ix = torch.topk(lp, min(self.want_logprobs, lp.numel()))
-                    top = list(zip(ix.tolist(), v.tolist()))
-                self.logprobs.append(TokenLogprob(t, float(lp[t]), top))
-            if t in self.eos:
-                self._finish("stop")
-                break
-        self.pending = self.emitted[-1]
-        if not self.finished and len(self.emitted) >= self.max_new_tokens:
-            self._finish("length")
-
-    def _finish(self, reason: str) -> None:
+    def fail(self, err: BaseException) -> None:
+        """Mark the session failed (its request gets an error); the scheduler then frees its slot."""
+        self.error = err
         self.finished = True
-        self.finish_reason = reason
-        if self.stats_line and self.k > 0:
-            print(self.stats_text(), file=sys.stderr)
+        self.finish_reason = "error"
 
     def stats_text(self) -> str:
         """The `[spec-stats]` line: rounds, full accepts, draft-length histogram, per-slot rates, total."""
@@ -481,10 +404,240 @@ class SpecSession:
                 f"per_slot=[{slots}] total={t.accepted}/{t.drafted}={t.acceptance_rate:.3f} "
                 f"tok_per_round={t.tokens_per_round:.3f}")
 
+    # ------------------------------------------------------------------ internals
+    def _choose(self, logits: torch.Tensor) -> int:
+        """Plain-decode choice for one fp32 logit row (penalties, constraint mask, greedy or sampled)."""
+        row = self._pen.apply(logits, self.sampling)
+        if self.constraint is not None:
+            row = self.constraint.mask_logits(row)
+        if self.sampling.greedy:
+            return int(torch.argmax(row).item())
+        return int(sample(probs_from_logits(row, self.sampling), self._gen).item())
+
+    def _queue_mtp_rows(self, tokens: list[int], hidden: torch.Tensor) -> None:
+        self._mtp_tokens = self._mtp_tokens + tokens
+        self._mtp_hidden = hidden if self._mtp_hidden is None else torch.cat([self._mtp_hidden, hidden])
+
+    def _flush_mtp(self) -> None:
+        """Write every queued MTP row into the scratch (prefill: their next tokens are prompt tokens, so final)."""
+        n = len(self._mtp_tokens)
+        if n == 0:
+            return
+        sc = self.scratch
+        assert sc is not None and self._mtp_hidden is not None
+        mtp_head_forward(self.model, self._mtp_tokens[:n], self._mtp_hidden[:n], sc.length, sc)
+        sc.set_len(sc.length + n)
+        self._mtp_tokens, self._mtp_hidden = self._mtp_tokens[n:], self._mtp_hidden[n:]
+
+    def _apply_constraint(self, logits: torch.Tensor, drafts: list[int], n_acc: int, bonus: int) -> tuple[int, int]:
+        """Verify-side truncation rule; consumes the accepted drafts (the bonus is consumed in `_emit`)."""
+        cons = self.constraint
+        assert cons is not None
+        cut = False
+        for j in range(n_acc):
+            if not cons.is_allowed(drafts[j]):
+                n_acc, cut = j, True
+                self.constraint_cuts += 1
+                break
+            cons.consume(drafts[j])
+        if cut or not cons.is_allowed(bonus):
+            extra = torch.tensor(drafts[:n_acc] or [-1], device=self.device)
+            masked = cons.mask_logits(self._pen.apply(logits[n_acc], self.sampling, extra))
+            if self.sampling.greedy:
+                bonus = int(torch.argmax(masked).item())
+            else:
+                bonus = int(sample(probs_from_logits(masked, self.sampling), self._gen).item())
+        self._constraint_consumed = n_acc
+        return n_acc, bonus
+
+    def _emit(self, toks: list[int], rows: torch.Tensor) -> None:
+        """Append emitted tokens (the last one becomes pending), feed penalties/constraint, check stops.
+        `rows` [len(toks), V]: the raw target logits each token was chosen from (for logprobs)."""
+        cons = self.constraint
+        pre_consumed, self._constraint_consumed = self._constraint_consumed, 0
+        n = len(toks)
+        for i, t in enumerate(toks):
+            if cons is not None and i >= pre_consumed:
+                cons.consume(t)
+            if t in self.eos:
+                n = i + 1
+                break
+        toks = toks[:n]
+        self.emitted += toks
+        if self.sampling.has_penalties:
+            self._pen.push(toks)
+        if self.want_logprobs is not None:
+            lp = torch.log_softmax(rows[:n].float(), dim=-1)  # [n, V]
+            chosen = lp.gather(-1, torch.tensor(toks, device=lp.device)[:, None])[:, 0].tolist()
+            top_v, top_i = (torch.topk(lp, min(self.want_logprobs, lp.shape[-1]), dim=-1) if self.want_logprobs > 0
+                            else (lp[:, :0], lp[:, :0].long()))
+            for t, c, iv, vv in zip(toks, chosen, top_i.tolist(), top_v.tolist()):
+                self.logprobs.append(TokenLogprob(t, c, list(zip(iv, vv))))
+        self.pending = self.emitted[-1]
+        if toks[-1] in self.eos:
+            self._finish("stop")
+        elif len(self.emitted) >= self.max_new_tokens:
+            self._finish("length")
+
+    def _finish(self, reason: str) -> None:
+        self.finished = True
+        self.finish_reason = reason
+        if self.stats_line and self.k > 0:
+            print(self.stats_text(), file=sys.stderr)
+
+
+# ------------------------------------------------------------------------------------------ the batched round
+def _pick(rows: list[SpecSession], logits: torch.Tensor, extra: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                        list[torch.Tensor | None]]:
+    """Each row's draft from its MTP logits [A, V] (fp32): argmax for greedy rows, a draw from q for sampled ones.
+    `extra` [A, j] = the drafts so far (for penalties). Returns (tokens [A] long, top probability [A], q rows)."""
+    proc = torch.stack([r._pen.apply(logits[i], r.sampling, extra[i]) for i, r in enumerate(rows)]) \
+        if any(r.sampling.has_penalties for r in rows) else logits
+    top = torch.softmax(proc, dim=-1).amax(dim=-1)  # [A]
+    tok = proc.argmax(dim=-1)  # [A]
+    qs: list[torch.Tensor | None] = [None] * len(rows)
+    for i, r in enumerate(rows):
+        if not r.sampling.greedy:
+            qs[i] = probs_from_logits(proc[i], r.sampling)  # [V]
+            tok[i] = sample(qs[i], r._gen)
+            top[i] = qs[i].amax()
+    return tok, top, qs
+
+
+def _draft(model: Qwen35ForCausalLM, rows: list[SpecSession], ks: list[int]) -> tuple[torch.Tensor, list[list]]:
+    """Draft up to ks[i] tokens per row, one MTP head forward per depth over every row still drafting.
+    Returns drafts [N, max ks] (long, -1 where a row drafts nothing: fewer wanted, p-min cut, constraint) and the
+    q rows of sampled rows (qs[i][j])."""
+    N, K = len(rows), max(ks)
+    dev, dt = rows[0].device, rows[0].dtype
+    drafts = torch.full((N, K), -1, dtype=torch.long, device=dev)
+    qs: list[list] = [[None] * K for _ in rows]
+    act = [i for i in range(N) if ks[i] > 0]
+    if not act:
+        return drafts, qs
+    pool = rows[0].pool
+    # depth 0: each row writes its queued committed rows (1..k+1 of them, padded) and drafts from the last one
+    qlen = [len(rows[i]._mtp_tokens) for i in act]
+    Tq = max(qlen)
+    H = model.config.hidden_size
+    toks = torch.zeros(len(act), Tq, dtype=torch.long, device=dev)
+    hid = torch.zeros(len(act), Tq, H, dtype=dt, device=dev)
+    for a, i in enumerate(act):
+        r = rows[i]
+        toks[a, :qlen[a]] = torch.tensor(r._mtp_tokens, device=dev)
+        hid[a, :qlen[a]] = r._mtp_hidden
+    sc_pos = [rows[i].scratch.length for i in act]
+    ctx = FwdCtx.make(model.config, dev, dt, [rows[i].slot for i in act], sc_pos, [0] * len(act), [0] * len(act),
+                      Tq, False)
+    hm = model.mtp_forward(toks, hid, ctx, pool.mtp)  # [A, Tq, H]
+    h = hm[torch.arange(len(act), device=dev), torch.tensor(qlen, device=dev) - 1][:, None]  # [A, 1, H]
+    for i in act:
+        r = rows[i]
+        r.scratch.set_len(len(r.committed))
+        r._mtp_tokens, r._mtp_hidden = [], None
+        if r.constraint is not None and hasattr(r.constraint, "draft_begin"):
+            r.constraint.draft_begin()
+    alive = torch.ones(len(act), dtype=torch.bool, device=dev)
+    for j in range(K):
+        live = [a for a, i in enumerate(act) if ks[i] > j]
+        if j > 0:  # chained depth: the previous draft and the head's own hidden, one row each
+            if len(live) < len(act):
+                act, h, alive = [act[a] for a in live], h[live], alive[live]
+                live = list(range(len(act)))
+            prev = drafts[act, j - 1].clamp_min(0)[:, None]  # [A, 1]
+            ctx = FwdCtx.make(model.config, dev, dt, [rows[i].slot for i in act],
+                              [len(rows[i].committed) - 1 + j for i in act], [0] * len(act), [0] * len(act), 1, False)
+            h = model.mtp_forward(prev, h, ctx, pool.mtp)  # [A, 1, H]
+        arows = [rows[i] for i in act]
+        tok, top, q = _pick(arows, model.logits(h[:, 0]), drafts[act, :j])
+        if j > 0:
+            # p-min tests the drafter's TOP probability before a token is chosen: whether position j is drafted
+            # never depends on which token is drawn, so rejection sampling against q stays exact
+            alive &= top >= torch.tensor([rows[i].p_min for i in act], device=dev, dtype=top.dtype)
+        for a, i in enumerate(act):
+            r = rows[i]
+            qs[i][j] = q[a]
+            if r.draft_override is not None or (r.constraint is not None and hasattr(r.constraint, "draft_allowed")):
+                if not bool(alive[a]):  # a host decision per draft: test hooks and grammars only
+                    continue
+                d = int(tok[a])
+                if r.draft_override is not None:
+                    d = r.draft_override(len(r.committed) + 1 + j, j, d)
+                    tok[a] = d
+                if r.constraint is not None and hasattr(r.constraint, "draft_allowed") and not r.constraint.draft_allowed(d):
+                    alive[a] = False
+        drafts[act, j] = torch.where(alive, tok, -1)
+    # a cut is final: nothing after the first -1 counts
+    drafts = torch.where(torch.cumprod((drafts >= 0).long(), dim=1).bool(), drafts, -1)
+    return drafts, qs
+
+
+def _accept(rows: list[SpecSession], logits: torch.Tensor, drafts: torch.Tensor, qs: list[list],
+            ks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Acceptance for every row on the device. logits [N, T, V] (fp32), drafts [N, T-1] (-1 = none), ks the drafts
+    each row asked for.
+    Returns (n_acc [N], out [N, T]) with out[i, :n_acc] = the accepted drafts and out[i, n_acc] = the bonus."""
+    N, T, _ = logits.shape
+    K = T - 1
+    dev = logits.device
+    cols = torch.arange(T, device=dev)
+    valid = drafts >= 0  # [N, K]
+    ex = drafts[:, None, :].expand(N, T, K).masked_fill(torch.arange(K, device=dev) >= cols[:, None], -1)  # [N, T, K]
+    proc = torch.stack([r._pen.apply(logits[i], r.sampling, ex[i]) for i, r in enumerate(rows)]) \
+        if any(r.sampling.has_penalties for r in rows) else logits
+    am = proc.argmax(dim=-1)  # [N, T]
+    match = (am[:, :K] == drafts) & valid
+    n_acc = torch.cumprod(match.long(), dim=1).sum(dim=1)  # [N]
+    bonus = am.gather(1, n_acc[:, None])[:, 0]  # [N]
+    for i, r in enumerate(rows):
+        if r.sampling.greedy or r.constraint is not None:  # constrained rows choose on the host (commit_round)
+            continue
+        # Leviathan/Chen: accept d_j w.p. min(1, p/q); on the first reject draw from norm(max(0, p - q));
+        # when all are accepted the bonus comes from p of the next column
+        p = probs_from_logits(proc[i], r.sampling)  # [T, V]
+        q = torch.stack([qj if qj is not None else torch.zeros_like(p[0]) for qj in qs[i][:K]] + [torch.zeros_like(p[0])])
+        kw = ks[i]  # the draws a row makes depend on the row alone, never on the batch
+        u = torch.rand(kw, generator=r._gen, dtype=torch.float64, device=dev)
+        d = drafts[i, :kw].clamp_min(0)
+        ok = (u * q[cols[:kw], d] < p[cols[:kw], d]) & valid[i, :kw]
+        na = torch.cumprod(ok.long(), dim=0).sum()
+        kd = valid[i].sum()
+        resid = torch.clamp(p[na] - q[na], min=0.0)
+        use_resid = (na < kd) & (resid.sum() > 0)
+        dist = torch.where(use_resid, resid / resid.sum().clamp_min(1e-300), p[na])
+        n_acc[i], bonus[i] = na, sample(dist, r._gen)
+    out = torch.where(cols < n_acc[:, None], torch.cat([drafts, bonus[:, None]], 1), bonus[:, None])  # [N, T]
+    return n_acc, out
+
+
+@torch.inference_mode()
+def spec_round(model: Qwen35ForCausalLM, rows: list[SpecSession]) -> None:
+    """One speculative round for every session in `rows` (all started, unfinished, in one pool): draft, one
+    verify forward of N x T tokens, acceptance on the device, ONE host copy, then each row's commit."""
+    ks = [r.k_round() for r in rows]
+    drafts, qs = _draft(model, rows, ks)  # [N, K]
+    N, T = len(rows), max(ks) + 1
+    tokens = torch.cat([torch.tensor([[r.pending] for r in rows], device=drafts.device), drafts.clamp_min(0)], 1)
+    ctx = FwdCtx.make(model.config, drafts.device, rows[0].dtype, [r.slot for r in rows], [r.cache.length for r in rows],
+                      [r.cache.cur for r in rows], [0] * N, T, True)
+    pre = model.forward_step(tokens, ctx, rows[0].pool)  # [N, T, H]
+    post = model.model.norm(pre)
+    logits = model.logits(post)  # [N, T, V]
+    n_acc, out = _accept(rows, logits, drafts, qs, ks)
+    host = torch.cat([n_acc[:, None], (drafts >= 0).sum(1, keepdim=True), out], 1).tolist()  # the one host sync
+    for i, r in enumerate(rows):
+        na, kd, *toks = host[i]
+        try:
+            r.commit_round(kd, na, toks[:na + 1], logits[i], (post if r.hidden_mode == "post" else pre)[i])
+        except Exception as e:  # noqa: BLE001 - one row's failure (e.g. its grammar) fails that row only
+            if len(rows) == 1:
+                raise
+            r.fail(e)
+
 
 def generate_spec(model: Qwen35ForCausalLM, prompt_ids: list[int], max_new_tokens: int, k: int = 3,
                   **kw) -> tuple[list[int], SpecTelemetry]:
-    """Generate with speculation (k = 0: plain); returns (emitted tokens, telemetry)."""
+    """Generate with speculation (k = 0: plain) for one session alone; returns (emitted tokens, telemetry)."""
     sess = SpecSession(model, prompt_ids, max_new_tokens, k=k, **kw)
     toks = sess.run()
     return toks, sess.telem

@@ -124,7 +124,12 @@ def serve(args: argparse.Namespace) -> int:
         tokenizer = Tokenizer.from_dir(settings.model_dir)
     except (ConfigError, CheckpointError, ValueError, OSError) as e:
         return _fail(1, f"cannot load {settings.model_dir}: {e}")
-    return run_server(settings, model, tokenizer)
+    from engine.scheduler import PoolTooLarge
+
+    try:
+        return run_server(settings, model, tokenizer)
+    except PoolTooLarge as e:
+        return _fail(1, str(e))
 
 
 def build_server(settings: ServeSettings, model: Any, tokenizer: Any, **worker_kw: Any) -> NextnServer:
@@ -140,8 +145,9 @@ def build_server(settings: ServeSettings, model: Any, tokenizer: Any, **worker_k
     metrics = ServingMetrics(settings.served_model_name, num_spec_tokens=k,
                              compat_vllm=settings.metrics_compat == "vllm")
     worker = Worker(model, metrics, k=k, p_min=settings.spec_draft_p_min, capmax=settings.spec_capmax,
-                    burst_rounds=settings.burst_rounds, max_num_seqs=settings.max_num_seqs,
-                    max_queue=settings.max_queue, **worker_kw)
+                    max_num_seqs=settings.max_num_seqs, max_queue=settings.max_queue,
+                    max_model_len=settings.max_model_len, max_num_batched_tokens=settings.max_num_batched_tokens,
+                    **worker_kw)
     common = dict(tokenizer=tokenizer, worker=worker, model_name=settings.served_model_name,
                   max_model_len=settings.max_model_len, vocab_size=model.config.vocab_size, k=k)
     app = build_app(serving_chat=ServingChat(**common), serving_completion=ServingCompletion(**common),

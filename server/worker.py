@@ -1,12 +1,14 @@
-"""The device worker: one thread owns the model and runs every `SpecSession`.
+"""The device worker: one thread owns the model and the `Scheduler` that batches every `SpecSession`.
 
-Requests reach it as `Job`s (one per choice) through a bounded admission queue. The loop admits jobs
-up to `max_num_seqs` active sessions, then gives the active sessions one burst each, round-robin
-(`sess.step(max_rounds=burst_rounds)`), and publishes each burst to the job's asyncio queue on the
-server's event loop (`loop.call_soon_threadsafe`). Telemetry is stash-and-diff per burst: the delta
-goes both to the Prometheus metrics and to the job's own `telem`, so the sum of the requests'
-`usage.spec` equals the counters' increase. A session that raises fails its own job only; the loop
-goes on. Sessions that finish or whose job was cancelled are closed (caches freed) at once.
+Requests reach it as `Job`s (one per choice) through a bounded admission queue. The loop admits waiting
+jobs while the state pool has a free slot (a request waits in the queue until one frees), runs one scheduler
+step (ONE batched speculative round over all running sessions, then prefill chunks of joining ones under
+the token budget), and publishes each session's new tokens to its job's asyncio queue on the server's event
+loop (`loop.call_soon_threadsafe`). Telemetry is stash-and-diff per emission: the delta goes both to the
+Prometheus metrics and to the job's own `telem`, so the sum of the requests' `usage.spec` equals the
+counters' increase. A session that raises fails its own job only; the loop goes on. Sessions that finish or
+whose job was cancelled leave the batch and give their slot back at once. If the loop itself fails, every
+job gets an error event and /health turns 503.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.scheduler import Scheduler
 from engine.spec import SpecSampling, SpecSession, SpecTelemetry
 from metrics.prometheus import ServingMetrics
 
@@ -36,7 +39,7 @@ class Unavailable(Exception):
 
 @dataclass
 class JobEvent:
-    """What one burst of a job produced. `done` marks the job's last event; then `finish_reason` is
+    """What one step of a job produced. `done` marks the job's last event; then `finish_reason` is
     "stop"/"length" (or the cancel reason), `error` is set when the session raised, and `telem` is the
     job's final telemetry."""
 
@@ -54,7 +57,7 @@ class Job:
     """One session's worth of work (a request with n choices submits n jobs).
 
     Created on the event loop; the worker reads the inputs and calls `publish`; `cancel` may be called
-    from the event loop at any time (the worker drops the session before its next burst).
+    from the event loop at any time (the worker drops the session before its next step).
     """
 
     index: int
@@ -89,6 +92,7 @@ class _Active:
     job: Job
     sess: SpecSession
     last_emit: float | None = None
+    seen: SpecTelemetry = field(default_factory=SpecTelemetry)  # the session's telemetry at the last publish
 
 
 SessionFactory = Callable[..., SpecSession]
@@ -97,25 +101,26 @@ SessionFactory = Callable[..., SpecSession]
 class Worker:
     """Owns the model; `submit` from the event loop, everything else happens on the worker thread.
 
-    `session_factory` builds a session with `SpecSession`'s signature (tests inject failures here).
+    `session_factory` builds a session with `SpecSession`'s signature (tests subclass it to inject failures).
     """
 
     def __init__(self, model: Any, metrics: ServingMetrics, *, k: int, p_min: float, capmax: int,
-                 burst_rounds: int, max_num_seqs: int, max_queue: int,
+                 max_num_seqs: int, max_queue: int, max_model_len: int, max_num_batched_tokens: int,
                  session_factory: SessionFactory = SpecSession) -> None:
         self.model = model
         self.metrics = metrics
         self.k, self.p_min, self.capmax = k, p_min, capmax
-        self.burst_rounds = burst_rounds
         self.max_num_seqs = max_num_seqs
         self.max_queue = max_queue
         self.session_factory = session_factory
+        self.scheduler = Scheduler(model, max_num_seqs=max_num_seqs, max_model_len=max_model_len, k=k,
+                                   max_num_batched_tokens=max_num_batched_tokens)
         self._cv = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
-        self._active: collections.deque[_Active] = collections.deque()
+        self._active: dict[SpecSession, _Active] = {}
         self._draining = False
         self._stopping = False
-        self._busy = False  # the worker holds jobs outside the two queues (admitting or bursting)
+        self._busy = False  # the worker holds jobs outside the two queues (admitting or stepping)
         self._limbo: list[Job] = []  # jobs taken off the queues and not yet placed (failed with the loop)
         self._failed = False  # the loop died: /health and /ready report it, submit refuses
         self._thread = threading.Thread(target=self._run, name="nextn-worker", daemon=True)
@@ -190,39 +195,36 @@ class Worker:
                 self._cv.wait_for(lambda: self._stopping or self._waiting or self._active)
                 if self._stopping:
                     break
-                # a stop string or a client that left: drop the job now (queued) or free its caches (active)
+                # a stop string or a client that left: drop the job now (queued) or free its slot (active)
                 gone_waiting = [j for j in self._waiting if j.cancel_reason is not None]
-                gone_active = [a for a in self._active if a.job.cancel_reason is not None]
+                gone_active = [a for a in self._active.values() if a.job.cancel_reason is not None]
                 for j in gone_waiting:
                     self._waiting.remove(j)
                 for a in gone_active:
-                    self._active.remove(a)
-                free = self.max_num_seqs - len(self._active)
-                admitted = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
+                    del self._active[a.sess]
+                room = self.scheduler.pool.num_free + len(gone_active)
+                admitted = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
                 self._limbo = admitted + gone_waiting + [a.job for a in gone_active]
                 self._busy = True
             for j in gone_waiting:
                 self._finish(j, j.cancel_reason or "abort")
             for a in gone_active:
-                self._retire(a, a.job.cancel_reason or "abort")
+                self.scheduler.remove(a.sess)
+                self._finish(a.job, a.job.cancel_reason or "abort")
             sessions = [a for a in map(self._admit, admitted) if a is not None]
             with self._cv:
-                self._active.extendleft(reversed(sessions))  # new sessions prefill first (time to first token)
+                self._active.update((a.sess, a) for a in sessions)
                 self._limbo = []
-                head = self._active[0] if self._active else None
-            keep = head is not None and self._burst(head)
+            if self._active:
+                self._step()
             with self._cv:
-                if head is not None:
-                    if keep:
-                        self._active.rotate(-1)
-                    else:
-                        self._active.popleft()
                 self._busy = False
                 self.metrics.set_running(len(self._active))
                 self.metrics.set_waiting(len(self._waiting))
                 self._cv.notify_all()  # wait_idle
-        for a in self._active:
-            self._retire(a, "abort")
+        for a in list(self._active.values()):
+            self.scheduler.remove(a.sess)
+            self._finish(a.job, "abort")
         self._active.clear()
         while self._waiting:
             self._finish(self._waiting.popleft(), "abort")
@@ -231,8 +233,8 @@ class Worker:
         """The loop died: refuse new work and give every job it held or queued an error `done` event."""
         with self._cv:
             self._failed = True
-            jobs = [a.job for a in self._active] + list(self._limbo) + list(self._waiting)
-            sessions = [a.sess for a in self._active]
+            jobs = [a.job for a in self._active.values()] + list(self._limbo) + list(self._waiting)
+            sessions = [a.sess for a in self._active.values()]
             self._active.clear()
             self._waiting.clear()
             self._limbo = []
@@ -253,66 +255,57 @@ class Worker:
             self.metrics.set_waiting(0)
 
     def _admit(self, job: Job) -> _Active | None:
-        """Start a session for `job`; None when it failed to start (the job is then finished)."""
+        """Start a session for `job` on a free pool slot; None when it failed to start (the job is then finished)."""
         self.metrics.observe_queue_time(time.monotonic() - job.arrival)
         try:
             sess = self.session_factory(self.model, job.prompt_ids, job.max_new_tokens, k=self.k,
                                         sampling=job.sampling, constraint=None, eos_ids=list(job.eos_ids),
-                                        p_min=self.p_min, capmax=self.capmax, logprobs=job.logprobs)
+                                        p_min=self.p_min, capmax=self.capmax, logprobs=job.logprobs,
+                                        pool=self.scheduler.pool)
         except Exception as e:  # noqa: BLE001 - a bad session fails its own request only
             log.exception("creating a session failed")
             self._finish(job, "error", error=e)
             return None
+        self.scheduler.add(sess)
         self.metrics.add_prompt_tokens(len(job.prompt_ids))
         return _Active(job, sess)
 
-    def _burst(self, a: _Active) -> bool:
-        """Run one burst of `a` and publish it; True if the session stays active. Anything that goes
-        wrong fails this job only."""
-        try:
-            new_ids = self._step(a)
-        except Exception as e:  # noqa: BLE001 - a session that raises fails its own request only
-            log.exception("session step failed")
-            self._retire(a, "error", error=e)
-            return False
-        if a.sess.finished or not new_ids:
-            self._retire(a, a.sess.finish_reason or "stop")
-            return False
-        return True
-
-    def _step(self, a: _Active) -> list[int]:
-        """Up to `burst_rounds` rounds of one session; each round's tokens are published as they come (one
-        emission = one inter-token-latency sample, vLLM's per-step semantics)."""
-        job, sess = a.job, a.sess
-        out: list[int] = []
-        for _ in range(self.burst_rounds):
-            prev = sess.telem.copy()
-            n_before = len(sess.emitted)
-            new_ids = list(sess.step(max_rounds=1))
-            t1 = time.monotonic()
-            delta = sess.telem.delta_since(prev)
+    def _step(self) -> None:
+        """One scheduler step; publish every session's new tokens (one emission = one inter-token-latency
+        sample, vLLM's per-step semantics) and retire the sessions that left."""
+        t0 = time.monotonic()
+        res = self.scheduler.step()
+        t1 = time.monotonic()
+        for sess, new_ids in res.emitted:
+            a = self._active.get(sess)
+            if a is None:
+                continue
+            job = a.job
+            delta = sess.telem.delta_since(a.seen)
+            a.seen = sess.telem.copy()
             self.metrics.add_spec(delta)
             job.telem.merge(delta)
-            if new_ids:
-                self.metrics.add_generation_tokens(len(new_ids))
-                if a.last_emit is None:
-                    self.metrics.observe_ttft(t1 - job.arrival)
-                else:
-                    self.metrics.observe_itl(t1 - a.last_emit)
-                a.last_emit = t1
-                lps = list(sess.logprobs[n_before:n_before + len(new_ids)]) if job.logprobs is not None else None
-                job.publish(JobEvent(job.index, new_ids, lps))
-            out += new_ids
-            if sess.finished or not new_ids or job.cancel_reason is not None:
-                break
-        return out
-
-    def _retire(self, a: _Active, reason: str, error: BaseException | None = None) -> None:
-        try:
-            a.sess.close()
-        except Exception:  # noqa: BLE001 - freeing must not take the worker down
-            log.exception("closing a session failed")
-        self._finish(a.job, reason, error=error)
+            self.metrics.add_generation_tokens(len(new_ids))
+            if a.last_emit is None:
+                self.metrics.observe_ttft(t1 - job.arrival)
+            else:
+                self.metrics.observe_itl(t1 - a.last_emit)
+            a.last_emit = t1
+            lps = list(sess.logprobs[len(sess.emitted) - len(new_ids):]) if job.logprobs is not None else None
+            job.publish(JobEvent(job.index, list(new_ids), lps))
+        for sess in res.finished:
+            a = self._active.get(sess)
+            if a is None:
+                continue
+            with self._cv:
+                del self._active[sess]
+            if sess.error is not None:
+                log.error("session failed: %s: %s", type(sess.error).__name__, sess.error,
+                          exc_info=(type(sess.error), sess.error, sess.error.__traceback__))
+                self._finish(a.job, "error", error=sess.error)
+            else:
+                self._finish(a.job, sess.finish_reason or "stop")
+        log.debug("step: %d session(s), %.1f ms", len(self._active), (t1 - t0) * 1e3)
 
     def _finish(self, job: Job, reason: str, error: BaseException | None = None) -> None:
         job.done = True

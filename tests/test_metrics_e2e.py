@@ -130,7 +130,7 @@ def cli_server():
     env = {k: v for k, v in os.environ.items() if not k.startswith("NEXTN_")}
     cmd = _nextn_exe() + ["serve", str(tiny_checkpoint()), "--host", "127.0.0.1", "--port", str(port),
                           "--device", "cpu", "--num-speculative-tokens", str(K), "--max-model-len", "1024",
-                          "--burst-rounds", "2", "--log-level", "warning"]
+                          "--log-level", "warning"]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
 
@@ -377,8 +377,8 @@ def test_prometheus_scrapes_spec_counters(prometheus, cli_server, workload):
 
 
 class RecordingSession(SpecSession):
-    """A real SpecSession that the test can see (every instance is recorded) and that runs each burst a
-    little slower, so a client's cancel lands while the session is still generating."""
+    """A real SpecSession that the test can see (every instance is recorded) and whose rounds run a little
+    slower, so a client's cancel lands while the session is still generating."""
 
     sessions: list["RecordingSession"] = []
     burst_delay_s = 0.05
@@ -387,16 +387,16 @@ class RecordingSession(SpecSession):
         super().__init__(*args, **kwargs)
         RecordingSession.sessions.append(self)
 
-    def step(self, max_rounds: int = 1) -> list[int]:
+    def commit_round(self, *args, **kwargs) -> None:
         time.sleep(self.burst_delay_s)
-        return super().step(max_rounds)
+        super().commit_round(*args, **kwargs)
 
 
 @pytest.fixture(scope="module")
 def compat_server():
     """In-process server (same wiring as `nextn serve`) with --metrics-compat vllm and session recording."""
     with ServerThread(worker_kw={"session_factory": RecordingSession}, num_speculative_tokens=K,
-                      max_model_len=1024, burst_rounds=2, metrics_compat="vllm") as s:
+                      max_model_len=1024, metrics_compat="vllm") as s:
         yield s
 
 

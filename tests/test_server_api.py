@@ -22,18 +22,18 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 
 
 class ExplodingSession(SpecSession):
-    """A real session that raises once it has emitted 2 tokens, for FAIL_PROMPT only."""
+    """A real session whose round raises once it has emitted 2 tokens, for FAIL_PROMPT only."""
 
-    def step(self, max_rounds: int = 1) -> list[int]:
+    def commit_round(self, *args, **kwargs) -> None:
         if self.prompt_ids == FAIL_PROMPT and len(self.emitted) >= 2:
             raise RuntimeError("injected failure")
-        return super().step(max_rounds)
+        super().commit_round(*args, **kwargs)
 
 
 @pytest.fixture(scope="module")
 def srv():
     with ServerThread(worker_kw={"session_factory": ExplodingSession}, api_key=API_KEY,
-                      max_model_len=MAX_MODEL_LEN, burst_rounds=2) as s:
+                      max_model_len=MAX_MODEL_LEN) as s:
         yield s
 
 
@@ -436,10 +436,10 @@ def test_unknown_fields_are_ignored(client, srv, caplog):
 def test_queue_full_gets_429_with_retry_after():
     gate = threading.Event()
 
-    class GatedSession(SpecSession):
-        def step(self, max_rounds: int = 1) -> list[int]:
+    class GatedSession(SpecSession):  # holds the worker in its prefill until the gate opens
+        def prefill_chunk(self, budget: int) -> int:
             gate.wait(30)
-            return super().step(max_rounds)
+            return super().prefill_chunk(budget)
 
     with ServerThread(worker_kw={"session_factory": GatedSession}, max_num_seqs=1, max_queue=1) as s:
         body = {"model": s.model, "prompt": "Hi", "max_tokens": 2}

@@ -37,17 +37,17 @@ def test_precedence_cli_over_env_over_file_over_defaults(tmp_path):
     assert s.port == 3333  # CLI beats env and file
     assert s.max_num_seqs == 3 and s.api_key == "from-env"  # env beats file
     assert s.host == "0.0.0.0" and s.max_queue == 5  # file beats defaults
-    assert s.burst_rounds == 4 and s.num_speculative_tokens == 3  # defaults
+    assert s.max_num_batched_tokens == 512 and s.num_speculative_tokens == 3  # defaults
     assert s.model_dir == tmp_path
 
 
 def test_config_file_from_env_and_positional_model_dir(tmp_path):
     other = tmp_path / "m"
     other.mkdir()
-    cfg = write_toml(tmp_path / "c.toml", model_dir=str(tmp_path), burst_rounds=9)
+    cfg = write_toml(tmp_path / "c.toml", model_dir=str(tmp_path), max_num_batched_tokens=9)
     args = build_parser().parse_args(["serve", str(other)])
     s = settings_from_args(args, environ={"NEXTN_CONFIG": str(cfg)})
-    assert s.burst_rounds == 9 and s.model_dir == other
+    assert s.max_num_batched_tokens == 9 and s.model_dir == other
 
 
 def test_default_toml_matches_field_defaults():

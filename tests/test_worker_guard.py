@@ -14,10 +14,10 @@ from tests.server_fixtures import ServerThread, wait_until
 def test_loop_failure_fails_every_job_and_health_turns_503():
     gate = threading.Event()
 
-    class GatedSession(SpecSession):
-        def step(self, max_rounds: int = 1) -> list[int]:
+    class GatedSession(SpecSession):  # holds the worker in its prefill until the gate opens
+        def prefill_chunk(self, budget: int) -> int:
             gate.wait(30)
-            return super().step(max_rounds)
+            return super().prefill_chunk(budget)
 
     with ServerThread(worker_kw={"session_factory": GatedSession}, max_num_seqs=1, max_queue=8) as s:
         body = {"model": s.model, "prompt": "Hi", "max_tokens": 50, "ignore_eos": True, "temperature": 0}

@@ -8,6 +8,10 @@ from torch import nn
 from .config import Qwen35Config
 
 
+#: Largest gathered expert-weight working set (bytes) for the sync-free small-batch MoE path.
+GATHER_BYTES = 64 * 2**20
+
+
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
@@ -47,7 +51,16 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(E, H, Im))
 
     def forward(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """x [N, H], routing weights/ids [N, k] -> sum_e w_e * expert_e(x) [N, H]."""
+        """x [N, H], routing weights/ids [N, k] -> sum_e w_e * expert_e(x) [N, H].
+
+        Few tokens (decode, verify): each token-slot gathers its expert's weights and runs a batched matmul, so
+        routing never needs the host (no per-layer sync). Many tokens (prefill): tokens grouped by expert."""
+        N, k = idx.shape
+        if N * k * self.gate_up_proj[0].numel() * 3 // 2 * x.element_size() <= GATHER_BYTES:
+            gu = self.gate_up_proj[idx]  # [N, k, 2Im, H]
+            gate, up = (gu @ x[:, None, :, None]).squeeze(-1).chunk(2, dim=-1)  # [N, k, Im] each
+            y = (self.down_proj[idx] @ (F.silu(gate) * up)[..., None]).squeeze(-1)  # [N, k, H]
+            return (y * w[..., None]).sum(dim=1)
         out = torch.zeros_like(x)
         for e in torch.unique(idx).tolist():
             tok, slot = torch.where(idx == e)

@@ -4,13 +4,18 @@ Module and parameter names follow the HF checkpoint (`model.*`, `lm_head.*`, `mt
 unchanged. Hybrid stack: Gated DeltaNet ("linear_attention") and gated full attention layers, pre-norm with
 zero-centred (1+w) RMSNorm. One forward handles three cases, chosen by the caller:
   * no cache (training / oracle): causal over the batch, chunked GDN;
-  * cache, record=False (prefill, plain decode): KV written at pos0.., GDN state carried
-    (T == 1 -> recurrent step, T > 1 -> chunked form);
-  * cache, record=True (spec verify): GDN runs the recurrent step per token and keeps every per-position
-    state so the cache can roll back to any prefix in O(state).
+  * a `FwdCtx` over a `StatePool` with record=False (prefill chunks): KV written at each row's pos0..,
+    GDN state read from and written back to the row's live window slot (T == 1 -> recurrent step,
+    T > 1 -> chunked form);
+  * a `FwdCtx` with record=True (spec verify and decode, N rows x T tokens): GDN runs the recurrent step per
+    token and writes the state after each token to its own window slot, so the session keeps any prefix in
+    O(1) (it only chooses which slot is live).
+Rows of one forward are independent sequences in different pool slots; each row's attention runs over its own
+cached keys, the GDN recurrence and every projection are row-wise.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,7 +27,7 @@ from .moe import MLP, SparseMoeBlock
 from .ops.gdn import causal_conv_window, gdn_chunked, gdn_recurrent, gdn_recurrent_step, l2norm
 
 if TYPE_CHECKING:
-    from ..cache import GdnLayerCache, KVBuffer, ModelCache
+    from ..cache import GdnPool, KVPool, ModelCache, StatePool
 
 
 class RMSNorm(nn.Module):
@@ -56,21 +61,58 @@ class GatedRMSNorm(nn.Module):
 
 
 def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """NeoX RoPE tables for integer `positions` [T]: cos, sin [T, rotary_dim] (computed in fp32, cast to dtype)."""
+    """NeoX RoPE tables for integer `positions` [..., T]: cos, sin [..., T, rotary_dim] (fp32 math, cast to dtype)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=positions.device).float() / rotary_dim))
-    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, R/2]
-    emb = torch.cat([freqs, freqs], dim=-1)  # [T, R]
+    freqs = positions.float()[..., None] * inv_freq  # [..., T, R/2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [..., T, R]
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first R dims of each head (rotate_half style). x: [B, T, heads, hd]; cos/sin: [T, R]."""
+    """Rotate the first R dims of each head (rotate_half style). x: [B, T, heads, hd]; cos/sin: [B or 1, T, R]."""
     R = cos.shape[-1]
     xr, xp = x[..., :R], x[..., R:]
     x1, x2 = xr[..., : R // 2], xr[..., R // 2:]
-    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
     rot = torch.cat([-x2, x1], dim=-1)
     return torch.cat([xr * c + rot * s, xp], dim=-1)
+
+
+@dataclass
+class FwdCtx:
+    """Where the N rows of one cached forward live in a `StatePool` (host lists; tensors derived once).
+
+    Row i's T new tokens sit at positions pos0[i].. of pool slot slots[i]. GDN layers read the state in window
+    slot read[i]; with record=True the state after token t goes to window slot write0[i] + t, else only the final
+    state goes to write0[i]. Rows shorter than T are padding at the end (their extra outputs are ignored; their
+    K/V land past the row's length and their states in window slots that are never made live)."""
+
+    slots: list[int]
+    pos0: list[int]
+    read: list[int]
+    write0: list[int]
+    T: int
+    record: bool
+    slot_t: torch.Tensor  # [N] long
+    read_t: torch.Tensor  # [N] long
+    write_t: torch.Tensor  # [N, T] long (record) or [N] long
+    kv_slot: torch.Tensor  # [N*T] long: pool slot of each new token
+    kv_pos: torch.Tensor  # [N*T] long: its position
+    rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin [N, T, R]
+
+    @classmethod
+    def make(cls, cfg, device: torch.device | str, dtype: torch.dtype, slots: list[int], pos0: list[int],
+             read: list[int], write0: list[int], T: int, record: bool) -> FwdCtx:
+        N = len(slots)
+        ar = torch.arange(T, device=device)
+        slot_t = torch.tensor(slots, device=device)
+        positions = torch.tensor(pos0, device=device)[:, None] + ar  # [N, T]
+        write_t = torch.tensor(write0, device=device)
+        if record:
+            write_t = write_t[:, None] + ar  # [N, T]
+        return cls(slots, pos0, read, write0, T, record, slot_t, torch.tensor(read, device=device), write_t,
+                   slot_t.repeat_interleave(T), positions.reshape(N * T),
+                   rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta, dtype))
 
 
 class GatedAttention(nn.Module):
@@ -88,32 +130,39 @@ class GatedAttention(nn.Module):
         self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, pos0: int, kv: "KVBuffer | None",
+    def forward(self, x: torch.Tensor, ctx: FwdCtx | None, kv: "KVPool | None",
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """x: [B, T, H] -> [B, T, H]. With `kv`, K/V are written at rows pos0.. and attention spans [0, pos0+T).
-        `rope` = precomputed (cos, sin) for positions pos0..pos0+T-1 (shared by all layers of one forward)."""
-        B, T, _ = x.shape
-        qg = self.q_proj(x).view(B, T, self.nh, 2 * self.hd)
-        q, gate = qg[..., : self.hd], qg[..., self.hd:].reshape(B, T, self.nh * self.hd)
-        q = self.q_norm(q)  # [B, T, nh, hd]
-        k = self.k_norm(self.k_proj(x).view(B, T, self.nkv, self.hd))  # [B, T, nkv, hd]
-        v = self.v_proj(x).view(B, T, self.nkv, self.hd)
-        positions = torch.arange(pos0, pos0 + T, device=x.device)
-        cos, sin = rope if rope is not None else rope_cos_sin(positions, self.rotary_dim, self.theta, x.dtype)
+        """x: [N, T, H] -> [N, T, H]. Without `ctx`: causal self-attention over each row (`rope` = tables for
+        positions 0..T-1). With `ctx` and `kv`: row i's K/V are written at kv[slot_i, pos0_i..] and its queries
+        attend its own cached keys [0, pos0_i + t]."""
+        N, T, _ = x.shape
+        qg = self.q_proj(x).view(N, T, self.nh, 2 * self.hd)
+        q, gate = qg[..., : self.hd], qg[..., self.hd:].reshape(N, T, self.nh * self.hd)
+        q = self.q_norm(q)  # [N, T, nh, hd]
+        k = self.k_norm(self.k_proj(x).view(N, T, self.nkv, self.hd))  # [N, T, nkv, hd]
+        v = self.v_proj(x).view(N, T, self.nkv, self.hd)
+        cos, sin = ctx.rope if ctx is not None else rope
         q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
-        if kv is None:
-            mask, is_causal = None, T > 1
+        gqa = self.nh != self.nkv
+        if ctx is None or kv is None:
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               is_causal=T > 1, scale=self.hd ** -0.5, enable_gqa=gqa)
+            o = o.transpose(1, 2)  # [N, T, nh, hd]
         else:
-            kv.k[:, pos0:pos0 + T] = k
-            kv.v[:, pos0:pos0 + T] = v
-            S = pos0 + T
-            k, v = kv.k[:, :S], kv.v[:, :S]  # [B, S, nkv, hd]
-            is_causal = False
-            mask = None if T == 1 else (torch.arange(S, device=x.device)[None, :] <= positions[:, None])  # [T, S]
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-                                           is_causal=is_causal, scale=self.hd ** -0.5, enable_gqa=self.nh != self.nkv)
-        o = o.transpose(1, 2).reshape(B, T, self.nh * self.hd)  # [B, T, nh*hd]
-        return self.o_proj(o * torch.sigmoid(gate))
+            kv.k[ctx.kv_slot, ctx.kv_pos] = k.reshape(N * T, self.nkv, self.hd)
+            kv.v[ctx.kv_slot, ctx.kv_pos] = v.reshape(N * T, self.nkv, self.hd)
+            outs = []
+            for i in range(N):  # each row over its own keys: results never depend on the other rows
+                S = ctx.pos0[i] + T
+                ki, vi = kv.k[ctx.slots[i], :S], kv.v[ctx.slots[i], :S]  # [S, nkv, hd]
+                mask = None if T == 1 else (torch.arange(S, device=x.device) <= ctx.pos0[i] + torch.arange(
+                    T, device=x.device)[:, None])  # [T, S]
+                oi = F.scaled_dot_product_attention(q[i].transpose(0, 1)[None], ki.transpose(0, 1)[None],
+                                                    vi.transpose(0, 1)[None], attn_mask=mask,
+                                                    scale=self.hd ** -0.5, enable_gqa=gqa)  # [1, nh, T, hd]
+                outs.append(oi[0].transpose(0, 1))
+            o = torch.stack(outs)  # [N, T, nh, hd]
+        return self.o_proj(o.reshape(N, T, self.nh * self.hd) * torch.sigmoid(gate))
 
 
 class GatedDeltaNet(nn.Module):
@@ -135,50 +184,56 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(self.nv * self.dv, H, bias=False)
 
-    def forward(self, x: torch.Tensor, st: "GdnLayerCache | None", record_at: int | None) -> torch.Tensor:
-        """x: [B, T, H] -> [B, T, H]. `st` carries conv/recurrent state; `record_at` = window slot of token 0
-        when per-position states must be kept (spec verify), else None."""
-        B, T, _ = x.shape
+    def forward(self, x: torch.Tensor, ctx: FwdCtx | None, st: "GdnPool | None") -> torch.Tensor:
+        """x: [N, T, H] -> [N, T, H]. Without `ctx`: zero initial state, chunked form. With `ctx`: conv and
+        recurrent state read from window slot read_i of row i's pool slot; recording forwards run the recurrent
+        step per token and write every per-position state, others write the final state (see `FwdCtx`)."""
+        N, T, _ = x.shape
         dt = x.dtype
         sdt = torch.float64 if dt == torch.float64 else torch.float32
-        qkv = self.in_proj_qkv(x).transpose(1, 2)  # [B, C, T]
-        z = self.in_proj_z(x).view(B, T, self.nv, self.dv)
-        b, a = self.in_proj_b(x), self.in_proj_a(x)  # [B, T, nv]
+        qkv = self.in_proj_qkv(x).transpose(1, 2)  # [N, C, T]
+        z = self.in_proj_z(x).view(N, T, self.nv, self.dv)
+        b, a = self.in_proj_b(x), self.in_proj_a(x)  # [N, T, nv]
         w = self.conv1d.weight[:, 0, :]  # [C, Kc]
-        conv_state = st.conv if st is not None else qkv.new_zeros(B, qkv.shape[1], self.kc - 1)
-        y, window = causal_conv_window(qkv, conv_state, w)  # [B, C, T], [B, C, Kc-1+T]
-        y = y.transpose(1, 2)  # [B, T, C]
+        live = ctx is not None and st is not None
+        conv_state = st.conv[ctx.slot_t, ctx.read_t] if live else qkv.new_zeros(N, qkv.shape[1], self.kc - 1)
+        y, window = causal_conv_window(qkv, conv_state, w)  # [N, C, T], [N, C, Kc-1+T]
+        y = y.transpose(1, 2)  # [N, T, C]
         Kd = self.nk * self.dk
-        q = y[..., :Kd].reshape(B, T, self.nk, self.dk)
-        k = y[..., Kd:2 * Kd].reshape(B, T, self.nk, self.dk)
-        v = y[..., 2 * Kd:].reshape(B, T, self.nv, self.dv)
+        q = y[..., :Kd].reshape(N, T, self.nk, self.dk)
+        k = y[..., Kd:2 * Kd].reshape(N, T, self.nk, self.dk)
+        v = y[..., 2 * Kd:].reshape(N, T, self.nv, self.dv)
         beta = torch.sigmoid(b).to(sdt)
-        g = -self.A_log.to(sdt).exp() * F.softplus(a.to(sdt) + self.dt_bias.to(sdt))  # [B, T, nv]
+        g = -self.A_log.to(sdt).exp() * F.softplus(a.to(sdt) + self.dt_bias.to(sdt))  # [N, T, nv]
         r = self.nv // self.nk
         if r > 1:
             q, k = q.repeat_interleave(r, dim=2), k.repeat_interleave(r, dim=2)
         q = l2norm(q.to(sdt)) * (self.dk ** -0.5)
         k = l2norm(k.to(sdt))
         v = v.to(sdt)
-        if st is None:
+        if not live:
             o, _ = gdn_chunked(q, k, v, g, beta, None)
-        elif record_at is not None:
-            o, s = gdn_recurrent(q, k, v, g, beta, st.rec, st.win_rec[record_at + 1:record_at + 1 + T])
-            # conv state after token t = window[..., t+1 : t+Kc]: all T of them in one strided copy
-            st.win_conv[record_at + 1:record_at + 1 + T].copy_(
-                window.unfold(-1, self.kc - 1, 1)[:, :, 1:T + 1].permute(2, 0, 1, 3))
-            st.rec.copy_(s)
-            st.conv.copy_(window[..., T:])
+        elif ctx.record:
+            s = st.rec[ctx.slot_t, ctx.read_t]  # [N, nv, dk, dv] (a copy: slots may be overwritten below)
+            outs = []
+            for t in range(T):
+                o_t, s = gdn_recurrent_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], s)
+                st.rec[ctx.slot_t, ctx.write_t[:, t]] = s
+                outs.append(o_t)
+            o = torch.stack(outs, dim=1)  # [N, T, nv, dv]
+            # conv state after token t = window[..., t+1 : t+Kc]: all T of them in one strided write
+            st.conv[ctx.slot_t[:, None], ctx.write_t] = window.unfold(-1, self.kc - 1, 1)[:, :, 1:T + 1].permute(0, 2, 1, 3)
         else:
+            s0 = st.rec[ctx.slot_t, ctx.read_t]
             if T == 1:
-                o, s = gdn_recurrent_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], st.rec)
+                o, s = gdn_recurrent_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], s0)
                 o = o[:, None]
             else:
-                o, s = gdn_chunked(q, k, v, g, beta, st.rec)
-            st.rec.copy_(s)
-            st.conv.copy_(window[..., T:])
-        o = self.norm(o.to(dt), z)  # [B, T, nv, dv]
-        return self.out_proj(o.reshape(B, T, self.nv * self.dv))
+                o, s = gdn_chunked(q, k, v, g, beta, s0)
+            st.rec[ctx.slot_t, ctx.write_t] = s
+            st.conv[ctx.slot_t, ctx.write_t] = window[..., T:]
+        o = self.norm(o.to(dt), z)  # [N, T, nv, dv]
+        return self.out_proj(o.reshape(N, T, self.nv * self.dv))
 
 
 class DecoderLayer(nn.Module):
@@ -195,13 +250,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, pos0: int, layer_cache, record_at: int | None,
+    def forward(self, x: torch.Tensor, ctx: FwdCtx | None, layer_state,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         h = self.input_layernorm(x)
         if self.layer_type == "linear_attention":
-            h = self.linear_attn(h, layer_cache, record_at)
+            h = self.linear_attn(h, ctx, layer_state)
         else:
-            h = self.self_attn(h, pos0, layer_cache, rope)
+            h = self.self_attn(h, ctx, layer_state, rope)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -228,10 +283,11 @@ class MtpHead(nn.Module):
         self.layers = nn.ModuleList([DecoderLayer(cfg, "full_attention")])
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
 
-    def forward(self, emb: torch.Tensor, hidden: torch.Tensor, pos0: int, kv: "KVBuffer | None") -> torch.Tensor:
-        """emb, hidden: [B, T, H] (embedding of token i+1, trunk hidden of row i) -> head hidden after mtp.norm."""
+    def forward(self, emb: torch.Tensor, hidden: torch.Tensor, ctx: FwdCtx | None, kv: "KVPool | None",
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """emb, hidden: [N, T, H] (embedding of token i+1, trunk hidden of row i) -> head hidden after mtp.norm."""
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(emb), self.pre_fc_norm_hidden(hidden)], dim=-1))
-        x = self.layers[0](x, pos0, kv, None)
+        x = self.layers[0](x, ctx, kv, rope)
         return self.norm(x)
 
 
@@ -247,20 +303,35 @@ class Qwen35ForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.mtp = MtpHead(cfg) if cfg.has_mtp else None
 
+    def forward_step(self, ids: torch.Tensor, ctx: FwdCtx, pool: "StatePool") -> torch.Tensor:
+        """ids [N, T] at the rows and positions `ctx` names in `pool` -> pre-final-norm hidden [N, T, H].
+        Writes every layer's K/V and GDN states as `ctx` says; the caller does the sessions' bookkeeping."""
+        x = self.model.embed_tokens(ids)
+        for layer, st in zip(self.model.layers, pool.layers):
+            x = layer(x, ctx, st)
+        return x
+
     def forward_hidden(self, ids: torch.Tensor, pos0: int = 0, cache: "ModelCache | None" = None,
                        record: bool = False) -> torch.Tensor:
-        """ids [B, T] -> pre-final-norm hidden [B, T, H]. With `cache` (B == 1) tokens sit at positions pos0..;
-        record=True keeps per-position GDN states (cache.snapshot() must have opened a window)."""
-        x = self.model.embed_tokens(ids)
-        record_at = None
-        if cache is not None and record:
-            record_at = cache.window_slot(pos0, ids.shape[1])
-        cfg = self.config
-        rope = rope_cos_sin(torch.arange(pos0, pos0 + ids.shape[1], device=ids.device), cfg.rotary_dim, cfg.rope_theta,
-                            x.dtype)
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, pos0, None if cache is None else cache.layers[i], record_at, rope)
-        return x
+        """ids [B, T] -> pre-final-norm hidden [B, T, H]. Without a cache: causal over each row. With `cache`
+        (B == 1): tokens sit at positions pos0..; record=True keeps per-position GDN states inside the cache's
+        snapshot window, record=False updates the live state in place. Does not advance cache.length."""
+        if cache is None:
+            x = self.model.embed_tokens(ids)
+            cfg = self.config
+            rope = rope_cos_sin(torch.arange(ids.shape[1], device=ids.device), cfg.rotary_dim, cfg.rope_theta,
+                                x.dtype)
+            rope = (rope[0][None], rope[1][None])
+            for layer in self.model.layers:
+                x = layer(x, None, None, rope)
+            return x
+        T = ids.shape[1]
+        write0 = cache.window_slot(pos0, T) if record else cache.cur
+        ctx = FwdCtx.make(self.config, ids.device, self.model.embed_tokens.weight.dtype, [cache.slot], [pos0],
+                          [cache.cur], [write0], T, record)
+        h = self.forward_step(ids, ctx, cache.pool)
+        cache.cur = write0 + T - 1 if record else write0
+        return h
 
     def logits(self, h_post: torch.Tensor) -> torch.Tensor:
         """Post-norm hidden [..., H] -> fp32 logits [..., V]."""
@@ -270,9 +341,18 @@ class Qwen35ForCausalLM(nn.Module):
         """Cache-free causal forward (training / oracle): ids [B, T] -> logits [B, T, V]."""
         return self.logits(self.model.norm(self.forward_hidden(ids)))
 
-    def mtp_forward(self, next_ids: torch.Tensor, hidden: torch.Tensor, pos0: int = 0,
-                    kv: "KVBuffer | None" = None) -> torch.Tensor:
-        """MTP rows: next_ids [B, T] (token i+1), hidden [B, T, H] (trunk hidden at i), rows at positions pos0.. ->
-        head hidden [B, T, H] (post mtp.norm). Logits: `self.logits(result)`."""
+    def mtp_forward(self, next_ids: torch.Tensor, hidden: torch.Tensor, pos0: "int | FwdCtx" = 0,
+                    kv: "KVPool | None" = None) -> torch.Tensor:
+        """MTP rows: next_ids [N, T] (token i+1), hidden [N, T, H] (trunk hidden at i) -> head hidden [N, T, H]
+        (post mtp.norm). `pos0` is a `FwdCtx` over the MTP KV pool `kv`, or (one sequence) the int position of
+        row 0 in slot 0 of `kv`. Without `kv`: causal over the rows, positions from 0. Logits: `self.logits(result)`."""
         assert self.mtp is not None, "model has no MTP head"
-        return self.mtp(self.model.embed_tokens(next_ids), hidden, pos0, kv)
+        emb = self.model.embed_tokens(next_ids)
+        T = next_ids.shape[1]
+        if kv is None:
+            cos, sin = rope_cos_sin(torch.arange(T, device=next_ids.device), self.config.rotary_dim,
+                                    self.config.rope_theta, emb.dtype)
+            return self.mtp(emb, hidden, None, None, (cos[None], sin[None]))
+        ctx = pos0 if isinstance(pos0, FwdCtx) else FwdCtx.make(
+            self.config, next_ids.device, emb.dtype, [0], [pos0], [0], [0], T, False)
+        return self.mtp(emb, hidden, ctx, kv)

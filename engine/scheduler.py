@@ -1,0 +1,134 @@
+"""Continuous batching: which sessions run, prompt prefill in chunks under a token budget, the state pool.
+
+`Scheduler.step()` is the worker's unit of work: ONE speculative round over every running session
+(`engine.spec.spec_round`: drafts for all rows, one verify forward, one host copy), then prefill chunks of joining
+sessions, up to `max_num_batched_tokens` tokens per step in all (the round's N x (k+1) tokens count first), so a
+long prompt never freezes the running streams for longer than one chunk. A session joins (`add`) once it holds
+a pool slot and leaves between steps; its slot is returned the moment it finishes, fails or is removed.
+"""
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+import torch
+
+from .cache import StatePool, pool_bytes
+from .model.qwen35 import Qwen35ForCausalLM
+from .spec import PREFILL_CHUNK, SpecSession, spec_round
+
+#: Fraction of the free memory the state pool may take (the rest: activations, logits, the allocator).
+POOL_MEMORY_FRACTION = 0.8
+
+
+class PoolTooLarge(RuntimeError):
+    """The state pool does not fit in the device's free memory; the message says which setting to lower."""
+
+
+def pool_capacity(max_model_len: int, k: int) -> int:
+    """Positions per slot: the context plus the K + 1 tokens a last verify may write past it, rounded to 16."""
+    return -(-(max_model_len + k + 1) // 16) * 16
+
+
+def free_memory(device: torch.device | str) -> int:
+    """Bytes free on `device` now (CUDA: the driver's figure; CPU: MemAvailable)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.mem_get_info(dev)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 62  # unknown: do not refuse
+
+
+@dataclass
+class StepResult:
+    """What one step did: new tokens per session (each session once, in order), and the sessions that left
+    (finished, failed) during it; those are closed (slot freed) already."""
+
+    emitted: list[tuple[SpecSession, list[int]]] = field(default_factory=list)
+    finished: list[SpecSession] = field(default_factory=list)
+
+
+class Scheduler:
+    """Owns the state pool and the batch. Not thread-safe: one thread (the worker) calls everything."""
+
+    def __init__(self, model: Qwen35ForCausalLM, *, max_num_seqs: int, max_model_len: int, k: int,
+                 max_num_batched_tokens: int, prefill_chunk: int = PREFILL_CHUNK):
+        cfg = model.config
+        self.model = model
+        self.k = k if cfg.has_mtp else 0
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.prefill_chunk = prefill_chunk
+        device = model.lm_head.weight.device
+        capacity = pool_capacity(max_model_len, self.k)
+        need = sum(pool_bytes(cfg, max_num_seqs, capacity, self.k + 1, cfg.dtype, self.k > 0).values())
+        avail = free_memory(device)
+        if need > POOL_MEMORY_FRACTION * avail:
+            raise PoolTooLarge(
+                f"the state pool for --max-num-seqs {max_num_seqs} x --max-model-len {max_model_len} (K={self.k}) "
+                f"needs {need / 2**30:.2f} GiB but {avail / 2**30:.2f} GiB is free on {device}: lower --max-num-seqs "
+                f"or --max-model-len")
+        self.pool = StatePool(cfg, max_num_seqs, capacity, self.k + 1, device, cfg.dtype, mtp=self.k > 0)
+        self.running: list[SpecSession] = []
+        self.joining: collections.deque[SpecSession] = collections.deque()
+
+    @property
+    def has_room(self) -> bool:
+        """A session could join now (a pool slot is free)."""
+        return self.pool.num_free > 0
+
+    @property
+    def num_sessions(self) -> int:
+        return len(self.running) + len(self.joining)
+
+    def add(self, sess: SpecSession) -> None:
+        """A new session (built on this scheduler's pool) joins: its prompt prefills in chunks from the next step."""
+        assert sess.pool is self.pool, "sessions must be built with pool=scheduler.pool"
+        self.joining.append(sess)
+
+    def remove(self, sess: SpecSession) -> None:
+        """Take `sess` out of the batch and free its slot now (between steps)."""
+        if sess in self.running:
+            self.running.remove(sess)
+        elif sess in self.joining:
+            self.joining.remove(sess)
+        sess.close()
+
+    def step(self) -> StepResult:
+        """One round for the running sessions, then prefill chunks under the token budget."""
+        res = StepResult()
+        counts = {s: len(s.emitted) for s in self.running}
+        budget = self.max_num_batched_tokens - sum(s.k_round() + 1 for s in self.running)
+        if self.running:
+            try:
+                spec_round(self.model, self.running)
+            except Exception as e:  # noqa: BLE001 - the batched part failed: every row of it is in doubt
+                for s in self.running:
+                    s.fail(e)
+        ran = bool(self.running)
+        while self.joining and (budget > 0 or not ran):
+            s = self.joining[0]
+            try:
+                n = s.prefill_chunk(min(self.prefill_chunk, max(budget, 1)))
+            except Exception as e:  # noqa: BLE001 - a prompt that fails fails its own request
+                s.fail(e)
+                n = 0
+            budget -= n
+            ran = True
+            if not s.prefilling or s.finished:
+                self.joining.popleft()
+                counts[s] = 0
+                self.running.append(s)
+        for s, before in counts.items():
+            if len(s.emitted) > before:
+                res.emitted.append((s, s.emitted[before:]))
+        for s in [s for s in self.running if s.finished]:
+            self.running.remove(s)
+            s.close()
+            res.finished.append(s)
+        return res

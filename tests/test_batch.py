@@ -1,0 +1,119 @@
+"""The batched round (engine/scheduler.py): every running session in one forward, sessions joining and leaving
+between rounds, chunked prefill under a token budget, the state pool. Batched output == the same session alone
+== plain greedy, token for token, for mixed batches (greedy, sampled and constrained rows), K = 1..8, fp32/fp64."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.cache import PoolFull
+from engine.loader import load_model
+from engine.scheduler import PoolTooLarge, Scheduler
+from engine.spec import SpecSampling, SpecSession, generate_spec
+from tests.test_spec import ParityConstraint
+from tests.tiny import make_checkpoint
+
+
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def ckpt(request, tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("b" + request.param), seed=41 if request.param == "dense" else 42,
+                           moe=request.param == "moe", with_tokenizer=False)
+
+
+@pytest.fixture(scope="module", params=["float32", "float64"])
+def model(request, ckpt):
+    return load_model(ckpt, dtype=request.param)
+
+
+def _prompts(V: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(9)
+    return [torch.randint(0, V, (n,), generator=g).tolist() for n in (3, 17, 70, 6, 41)]
+
+
+def _run(sched: Scheduler, joins: dict[int, list[SpecSession]]) -> int:
+    """Step until every session is done; `joins[step]` sessions are added at that step. Returns the steps run."""
+    step = 0
+    while True:
+        for s in joins.pop(step, []):
+            sched.add(s)
+        if not joins and not sched.num_sessions:
+            return step
+        sched.step()
+        step += 1
+        assert step < 2000
+
+
+def test_mixed_batch_equals_alone_and_plain_greedy(model):
+    V = model.config.vocab_size
+    ps = _prompts(V)
+    banned = set(range(0, V, 7))
+    sampled = SpecSampling(temperature=0.8, top_p=0.95, seed=11)
+    plain = [generate_spec(model, ps[i], n, k=0)[0] for i, n in ((0, 40), (1, 25), (2, 33))]
+    cons_ref = SpecSession(model, ps[3], 30, k=0, constraint=ParityConstraint(V, banned)).run()
+    for K in range(1, 9):
+        sampled_alone = SpecSession(model, ps[4], 20, k=K, capmax=8, sampling=sampled).run()
+        # a budget of 24 tokens forces the 70-token prompt through several prefill chunks between rounds
+        sched = Scheduler(model, max_num_seqs=5, max_model_len=160, k=K, max_num_batched_tokens=24)
+        mk = lambda i, n, **kw: SpecSession(model, ps[i], n, k=K, capmax=8, pool=sched.pool, **kw)  # noqa: E731
+        g0, g1 = mk(0, 40), mk(1, 25)
+        g2 = mk(2, 33)  # joins mid-decode
+        c = mk(3, 30, constraint=ParityConstraint(V, banned))
+        s = mk(4, 20, sampling=sampled)
+        _run(sched, {0: [g0, g1, c], 3: [s], 6: [g2]})
+        assert [g0.emitted, g1.emitted, g2.emitted] == plain, f"K={K}"
+        assert c.emitted == cons_ref, f"K={K} constrained"
+        assert s.emitted == sampled_alone, f"K={K} sampled"
+        assert all(x.finish_reason == "length" for x in (g0, g1, g2, c, s))
+        assert g0.telem.rounds > 0 and g0.telem.drafted > 0
+        assert sched.pool.num_free == 5 and not sched.running and not sched.joining
+
+
+def test_pool_admission_and_slot_reuse(ckpt):
+    model = load_model(ckpt)
+    V = model.config.vocab_size
+    ps = _prompts(V)
+    sched = Scheduler(model, max_num_seqs=2, max_model_len=128, k=3, max_num_batched_tokens=512)
+    a = SpecSession(model, ps[0], 30, k=3, pool=sched.pool)
+    b = SpecSession(model, ps[1], 30, k=3, pool=sched.pool)
+    assert not sched.has_room
+    with pytest.raises(PoolFull):
+        SpecSession(model, ps[2], 30, k=3, pool=sched.pool)
+    sched.add(a)
+    sched.add(b)
+    sched.step()
+    sched.step()
+    sched.remove(a)  # cancelled mid-decode: the slot is free at once
+    assert sched.has_room and sched.running == [b]
+    c = SpecSession(model, ps[2], 30, k=3, pool=sched.pool)  # reuses a's slot, starting from an empty state
+    assert c.slot == a.slot
+    _run(sched, {0: [c]})
+    assert c.emitted == generate_spec(model, ps[2], 30, k=0)[0]
+    assert b.emitted == generate_spec(model, ps[1], 30, k=0)[0]
+
+
+def test_prefill_is_chunked_under_the_token_budget(ckpt):
+    model = load_model(ckpt)
+    V = model.config.vocab_size
+    ps = _prompts(V)
+    sched = Scheduler(model, max_num_seqs=2, max_model_len=256, k=2, max_num_batched_tokens=16)
+    run = SpecSession(model, ps[0], 60, k=2, pool=sched.pool)
+    sched.add(run)
+    sched.step()  # prefill of the short prompt + first token
+    long = SpecSession(model, ps[2], 5, k=2, pool=sched.pool)  # 70 tokens
+    sched.add(long)
+    emitted_meanwhile = 0
+    while long.prefilling:
+        before = len(run.emitted)
+        sched.step()
+        emitted_meanwhile += len(run.emitted) > before
+        assert long.prefill_tokens <= 70
+    # the running stream advanced in every step while the long prompt went through in chunks of <= 13 tokens
+    assert emitted_meanwhile >= 70 // 13
+    _run(sched, {})
+    assert long.emitted == generate_spec(model, ps[2], 5, k=0)[0]
+
+
+def test_too_large_pool_is_refused_with_the_setting_to_lower(ckpt):
+    model = load_model(ckpt)
+    with pytest.raises(PoolTooLarge, match="lower --max-num-seqs or --max-model-len"):
+        Scheduler(model, max_num_seqs=10**7, max_model_len=4096, k=3, max_num_batched_tokens=512)

@@ -100,11 +100,14 @@ class SpecTelemetry:
 @runtime_checkable
 class SpecConstraint(Protocol):
     """Grammar hook; the engine never imports a grammar library. Contract (verify-side truncation rule):
-    the exactness walk runs unmasked; accepted drafts are checked in order with `is_allowed` and `consume`d
-    until the first illegal one (acceptance is truncated there); a cut or an illegal bonus is replaced by the
-    masked argmax of the target's own column; every emitted token is `consume`d in order. EOS handling is
-    the implementor's job. Optional draft-side hooks: `draft_begin()`, `draft_allowed(tok) -> bool`
-    (False stops the draft chain before that token)."""
+    accepted drafts are checked in order with `is_allowed` and `consume`d until the first illegal one (acceptance
+    is truncated there); a cut or an illegal bonus is replaced by the masked argmax of the target's own column;
+    every emitted token is `consume`d in order; plain steps choose from `mask_logits`. EOS handling is the
+    implementor's job. Optional draft-side hooks: `draft_begin()`; `draft_allowed(tok) -> bool` (False stops the
+    draft chain before that token; True consumes it provisionally); `draft_mask_logits(row)` (the drafter's
+    logits masked by the state the drafts so far reach); `window_mask(n, device) -> bool [n, V]` (row j = tokens
+    allowed after the first j drafts of the round; greedy acceptance then follows the masked argmax of each
+    verify column, which is what constrained plain greedy picks, so the truncation rule never fires)."""
 
     def is_allowed(self, tok: int) -> bool: ...
 
@@ -240,6 +243,7 @@ class SpecSession:
         self._to_prefill: list[int] = []  # ids not yet prefilled (their first `_prefilled` are done)
         self._prefilled = 0
         self._constraint_consumed = 0  # drafts already consumed by the constraint walk of this round
+        self._window = 0  # drafts the constraint consumed while drafting this round (for its window masks)
         self._closed = False
         if pool is None:  # alone: a private one-slot pool sized for this request
             pool = StatePool(cfg, 1, self.max_len, self.k + 1, self.device, self.dtype, mtp=self.k > 0)
@@ -535,6 +539,7 @@ def _draft(model: Qwen35ForCausalLM, rows: list[SpecSession], ks: list[int]) -> 
         r = rows[i]
         r.scratch.set_len(len(r.committed))
         r._mtp_tokens, r._mtp_hidden = [], None
+        r._window = 0  # drafts the constraint consumed this round
         if r.constraint is not None and hasattr(r.constraint, "draft_begin"):
             r.constraint.draft_begin()
     alive = torch.ones(len(act), dtype=torch.bool, device=dev)
@@ -549,7 +554,11 @@ def _draft(model: Qwen35ForCausalLM, rows: list[SpecSession], ks: list[int]) -> 
                               [len(rows[i].committed) - 1 + j for i in act], [0] * len(act), [0] * len(act), 1, False)
             h = model.mtp_forward(prev, h, ctx, pool.mtp)  # [A, 1, H]
         arows = [rows[i] for i in act]
-        tok, top, q = _pick(arows, model.logits(h[:, 0]), drafts[act, :j])
+        lg = model.logits(h[:, 0])  # [A, V]
+        for a, r in enumerate(arows):  # grammars propose legal drafts only (drafts never affect exactness)
+            if r.constraint is not None and hasattr(r.constraint, "draft_mask_logits") and bool(alive[a]):
+                lg[a] = r.constraint.draft_mask_logits(lg[a])
+        tok, top, q = _pick(arows, lg, drafts[act, :j])
         if j > 0:
             # p-min tests the drafter's TOP probability before a token is chosen: whether position j is drafted
             # never depends on which token is drawn, so rejection sampling against q stays exact
@@ -564,8 +573,11 @@ def _draft(model: Qwen35ForCausalLM, rows: list[SpecSession], ks: list[int]) -> 
                 if r.draft_override is not None:
                     d = r.draft_override(len(r.committed) + 1 + j, j, d)
                     tok[a] = d
-                if r.constraint is not None and hasattr(r.constraint, "draft_allowed") and not r.constraint.draft_allowed(d):
-                    alive[a] = False
+                if r.constraint is not None and hasattr(r.constraint, "draft_allowed"):
+                    if r.constraint.draft_allowed(d):
+                        r._window += 1
+                    else:
+                        alive[a] = False
         drafts[act, j] = torch.where(alive, tok, -1)
     # a cut is final: nothing after the first -1 counts
     drafts = torch.where(torch.cumprod((drafts >= 0).long(), dim=1).bool(), drafts, -1)
@@ -585,6 +597,14 @@ def _accept(rows: list[SpecSession], logits: torch.Tensor, drafts: torch.Tensor,
     ex = drafts[:, None, :].expand(N, T, K).masked_fill(torch.arange(K, device=dev) >= cols[:, None], -1)  # [N, T, K]
     proc = torch.stack([r._pen.apply(logits[i], r.sampling, ex[i]) for i, r in enumerate(rows)]) \
         if any(r.sampling.has_penalties for r in rows) else logits
+    # greedy rows under a grammar accept by the MASKED argmax of each column (what constrained plain greedy picks
+    # after the same drafts): the masks of the states the drafts reached, kept while drafting
+    masks = [(i, r.constraint.window_mask(r._window + 1, dev)) for i, r in enumerate(rows) if ks[i] > 0
+             and r.sampling.greedy and r.constraint is not None and hasattr(r.constraint, "window_mask")]
+    if masks:
+        proc = proc.clone()
+        for i, m in masks:
+            proc[i, :m.shape[0]] = proc[i, :m.shape[0]].masked_fill(~m, float("-inf"))
     am = proc.argmax(dim=-1)  # [N, T]
     match = (am[:, :K] == drafts) & valid
     n_acc = torch.cumprod(match.long(), dim=1).sum(dim=1)  # [N]

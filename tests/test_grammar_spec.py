@@ -71,20 +71,6 @@ class SpyConstraint(GuidanceConstraint):
         return n
 
 
-class HookedSession(SpecSession):
-    """SpecSession with the proposed verify-mask hook (grammar/constraint.py docstring): verify columns are
-    masked by `window_mask` before the greedy accept. Test/bench-only until the engine adopts it."""
-
-    def _accept_greedy(self, logits, drafts):
-        cons = self.constraint
-        if cons is not None and hasattr(cons, "window_mask"):
-            logits = logits.masked_fill(~cons.window_mask(len(drafts) + 1, logits.device), float("-inf"))
-        return super()._accept_greedy(logits, drafts)
-
-
-HOOKABLE = hasattr(SpecSession, "_accept_greedy")
-
-
 def noisy_drafter(ref: list[int], plen: int, V: int, seed: int, wrong: float = 0.25):
     """Draft override: the reference token, except at hashed positions a random (often illegal) one."""
     def override(pos, j, d):
@@ -96,10 +82,9 @@ def noisy_drafter(ref: list[int], plen: int, V: int, seed: int, wrong: float = 0
     return override
 
 
-def check_exact(model, compiler, src, prompt, eos, n_new, *, reasoning=False, forced=True, hooked=True,
-                ks=range(1, 9)):
-    """Constrained plain greedy, then spec for every k: MTP drafts, forced noisy drafts (`forced`), and forced
-    drafts through the verify-mask hook (`hooked`); all identical. Returns (ref, [(k, hooked, session, spy)])."""
+def check_exact(model, compiler, src, prompt, eos, n_new, *, reasoning=False, forced=True, ks=range(1, 9)):
+    """Constrained plain greedy, then spec for every k: MTP drafts and forced noisy drafts (`forced`); all
+    identical. Returns (ref, [(k, forced, session, spy)])."""
     grammar = compiler.compile(src).grammar
     V = model.config.vocab_size
     ref = SpecSession(model, prompt, n_new, k=0, constraint=GuidanceConstraint(grammar, reasoning=reasoning),
@@ -107,15 +92,12 @@ def check_exact(model, compiler, src, prompt, eos, n_new, *, reasoning=False, fo
     runs = []
     for k in ks:
         drafter = noisy_drafter(ref, len(prompt), V, k)
-        variants = [(SpecSession, None)] + ([(SpecSession, drafter)] if forced else [])
-        if hooked and HOOKABLE:
-            variants.append((HookedSession, drafter if forced else None))
-        for cls, override in variants:
+        for override in [None] + ([drafter] if forced else []):
             spy = SpyConstraint(grammar, reasoning=reasoning)
-            s = cls(model, prompt, n_new, k=k, capmax=8, constraint=spy, eos_ids=eos, draft_override=override)
-            assert s.run() == ref, (src.kind, k, cls.__name__, override is not None)
+            s = SpecSession(model, prompt, n_new, k=k, capmax=8, constraint=spy, eos_ids=eos, draft_override=override)
+            assert s.run() == ref, (src.kind, k, override is not None)
             assert s.constraint_cuts == 0  # every verified draft had passed the grammar
-            runs.append((k, cls is HookedSession, s, spy))
+            runs.append((k, override is not None, s, spy))
     return ref, runs
 
 
@@ -137,8 +119,8 @@ def test_tiny_constrained_spec_equals_constrained_plain(tiny, kind):
     ref, runs = check_exact(model, comp, src, prompt, tok.eos_token_ids, 40)
     assert len(ref) > 3
     assert any(not ok for *_, spy in runs for w in spy.windows for _, ok in w), "no draft was ever refused"
-    if HOOKABLE:  # with masked verify columns, forced (grammar-legal) drafts are accepted
-        assert sum(s.telem.accepted for _, hooked, s, _ in runs if hooked) > 0
+    # verify columns are masked by the grammar (engine hook): forced grammar-legal drafts are accepted
+    assert sum(s.telem.accepted for _, forced, s, _ in runs if forced) > 0
     text = tok.decode(ref, skip_special_tokens=True)
     if kind == "choice":
         assert text in SOURCES[kind]["structured_outputs"]["choice"]

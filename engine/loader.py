@@ -135,6 +135,7 @@ def load_model(model_dir: str | Path, *, device: str | torch.device = "cpu", dty
         log.warning("ignored %d checkpoint tensors not used by the text model (e.g. %s)", len(unused), unused[:3])
     model.eval()
     model.requires_grad_(False)
+    model.fuse()
     return model
 
 

@@ -20,8 +20,18 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, inter, bias=False)
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self._w_gu: torch.Tensor | None = None  # fused gate|up weight (`fuse`)
+
+    def fuse(self) -> None:
+        """Serve with one gate|up GEMM (the separate weights become views of it)."""
+        from .qwen35 import fuse_linears
+
+        self._w_gu = fuse_linears([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._w_gu is not None:
+            gate, up = F.linear(x, self._w_gu).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

@@ -24,7 +24,8 @@ from torch import nn
 
 from .config import Qwen35Config
 from .moe import MLP, SparseMoeBlock
-from .ops.gdn import causal_conv_window, gdn_chunked, gdn_recurrent, gdn_recurrent_step, l2norm
+from .ops import dispatch as ops
+from .ops.gdn import causal_conv_window, gdn_chunked, gdn_recurrent_step, l2norm
 
 if TYPE_CHECKING:
     from ..cache import GdnPool, KVPool, ModelCache, StatePool
@@ -39,9 +40,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float() if x.dtype != torch.float64 else x
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * (1.0 + self.weight.to(y.dtype))).to(x.dtype)
+        return ops.rms_norm(x, self.weight, self.eps)
 
 
 class GatedRMSNorm(nn.Module):
@@ -53,11 +52,34 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        dt = x.dtype
-        xf = x.float() if dt != torch.float64 else x
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        y = self.weight * y.to(dt)
-        return (y * F.silu(z.to(y.dtype if dt == torch.float64 else torch.float32))).to(dt)
+        return ops.gated_rms_norm(x, z, self.weight, self.eps)
+
+
+def fuse_linears(linears: list[nn.Linear]) -> torch.Tensor:
+    """One weight [sum out, in] for several bias-free linears that read the same input; each linear's weight
+    becomes a view of its rows (so a state dict and in-place edits still see the same numbers). One GEMM then
+    replaces len(linears) of them."""
+    w = torch.cat([m.weight.detach() for m in linears]).contiguous()
+    r = 0
+    for m in linears:
+        n = m.weight.shape[0]
+        m.weight = nn.Parameter(w[r:r + n], requires_grad=False)
+        r += n
+    return w
+
+
+_ROPE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def rope_table(cfg, n: int, device: torch.device | str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [>= n, rotary_dim] for positions 0.. (computed once per process and grown on demand; a row is
+    bitwise what `rope_cos_sin` gives for that position)."""
+    key = (cfg.rotary_dim, cfg.rope_theta, str(device), dtype)
+    tab = _ROPE.get(key)
+    if tab is None or tab[0].shape[0] < n:
+        size = max(n, 2 * tab[0].shape[0] if tab is not None else 4096)
+        tab = _ROPE[key] = rope_cos_sin(torch.arange(size, device=device), cfg.rotary_dim, cfg.rope_theta, dtype)
+    return tab
 
 
 def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,9 +132,9 @@ class FwdCtx:
         write_t = torch.tensor(write0, device=device)
         if record:
             write_t = write_t[:, None] + ar  # [N, T]
+        cos, sin = rope_table(cfg, max(pos0) + T, device, dtype)
         return cls(slots, pos0, read, write0, T, record, slot_t, torch.tensor(read, device=device), write_t,
-                   slot_t.repeat_interleave(T), positions.reshape(N * T),
-                   rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta, dtype))
+                   slot_t.repeat_interleave(T), positions.reshape(N * T), (cos[positions], sin[positions]))
 
 
 class GatedAttention(nn.Module):
@@ -129,6 +151,11 @@ class GatedAttention(nn.Module):
         self.o_proj = nn.Linear(self.nh * self.hd, H, bias=False)
         self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+        self._w_qkv: torch.Tensor | None = None  # fused q|k|v weight (`fuse`)
+
+    def fuse(self) -> None:
+        """Serve with one q|k|v GEMM (the separate weights become views of it)."""
+        self._w_qkv = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(self, x: torch.Tensor, ctx: FwdCtx | None, kv: "KVPool | None",
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -136,11 +163,16 @@ class GatedAttention(nn.Module):
         positions 0..T-1). With `ctx` and `kv`: row i's K/V are written at kv[slot_i, pos0_i..] and its queries
         attend its own cached keys [0, pos0_i + t]."""
         N, T, _ = x.shape
-        qg = self.q_proj(x).view(N, T, self.nh, 2 * self.hd)
+        nq, nk = 2 * self.nh * self.hd, self.nkv * self.hd
+        if self._w_qkv is not None:
+            qg, k, v = F.linear(x, self._w_qkv).split([nq, nk, nk], dim=-1)
+        else:
+            qg, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        qg = qg.view(N, T, self.nh, 2 * self.hd)
         q, gate = qg[..., : self.hd], qg[..., self.hd:].reshape(N, T, self.nh * self.hd)
         q = self.q_norm(q)  # [N, T, nh, hd]
-        k = self.k_norm(self.k_proj(x).view(N, T, self.nkv, self.hd))  # [N, T, nkv, hd]
-        v = self.v_proj(x).view(N, T, self.nkv, self.hd)
+        k = self.k_norm(k.reshape(N, T, self.nkv, self.hd))  # [N, T, nkv, hd]
+        v = v.reshape(N, T, self.nkv, self.hd)
         cos, sin = ctx.rope if ctx is not None else rope
         q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
         gqa = self.nh != self.nkv
@@ -149,8 +181,13 @@ class GatedAttention(nn.Module):
                                                is_causal=T > 1, scale=self.hd ** -0.5, enable_gqa=gqa)
             o = o.transpose(1, 2)  # [N, T, nh, hd]
         else:
-            kv.k[ctx.kv_slot, ctx.kv_pos] = k.reshape(N * T, self.nkv, self.hd)
-            kv.v[ctx.kv_slot, ctx.kv_pos] = v.reshape(N * T, self.nkv, self.hd)
+            if N == 1:  # one row: plain slice writes
+                p0 = ctx.pos0[0]
+                kv.k[ctx.slots[0], p0:p0 + T] = k[0]
+                kv.v[ctx.slots[0], p0:p0 + T] = v[0]
+            else:
+                kv.k[ctx.kv_slot, ctx.kv_pos] = k.reshape(N * T, self.nkv, self.hd)
+                kv.v[ctx.kv_slot, ctx.kv_pos] = v.reshape(N * T, self.nkv, self.hd)
             outs = []
             for i in range(N):  # each row over its own keys: results never depend on the other rows
                 S = ctx.pos0[i] + T
@@ -183,6 +220,16 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.nv))
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(self.nv * self.dv, H, bias=False)
+        self._w_in: torch.Tensor | None = None  # fused qkv|z|b|a weight (`fuse`)
+        self._decay: tuple[torch.Tensor, torch.Tensor] | None = None  # -exp(A_log), dt_bias (`fuse`)
+        self._split = [C, self.nv * self.dv, self.nv, self.nv]
+
+    def fuse(self) -> None:
+        """Serve with one input GEMM for qkv|z|b|a (the separate weights become views of it), and the decay's
+        constant factors -exp(A_log), dt_bias in the state dtype computed once."""
+        self._w_in = fuse_linears([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
+        sdt = torch.float64 if self.A_log.dtype == torch.float64 else torch.float32
+        self._decay = (-self.A_log.detach().to(sdt).exp(), self.dt_bias.detach().to(sdt))
 
     def forward(self, x: torch.Tensor, ctx: FwdCtx | None, st: "GdnPool | None") -> torch.Tensor:
         """x: [N, T, H] -> [N, T, H]. Without `ctx`: zero initial state, chunked form. With `ctx`: conv and
@@ -191,47 +238,64 @@ class GatedDeltaNet(nn.Module):
         N, T, _ = x.shape
         dt = x.dtype
         sdt = torch.float64 if dt == torch.float64 else torch.float32
-        qkv = self.in_proj_qkv(x).transpose(1, 2)  # [N, C, T]
-        z = self.in_proj_z(x).view(N, T, self.nv, self.dv)
-        b, a = self.in_proj_b(x), self.in_proj_a(x)  # [N, T, nv]
+        if self._w_in is not None:
+            qkv, z, b, a = F.linear(x, self._w_in).split(self._split, dim=-1)
+        else:
+            qkv, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+        z = z.reshape(N, T, self.nv, self.dv)
         w = self.conv1d.weight[:, 0, :]  # [C, Kc]
         live = ctx is not None and st is not None
-        conv_state = st.conv[ctx.slot_t, ctx.read_t] if live else qkv.new_zeros(N, qkv.shape[1], self.kc - 1)
-        y, window = causal_conv_window(qkv, conv_state, w)  # [N, C, T], [N, C, Kc-1+T]
+        if live and N == 1:  # one row: read the live slot through a view (no gather)
+            conv_state = st.conv[ctx.slots[0], ctx.read[0]][None]
+        elif live:
+            conv_state = st.conv[ctx.slot_t, ctx.read_t]
+        else:
+            conv_state = qkv.new_zeros(N, qkv.shape[-1], self.kc - 1)
+        y, window = causal_conv_window(qkv.transpose(1, 2), conv_state, w)  # [N, C, T], [N, C, Kc-1+T]
         y = y.transpose(1, 2)  # [N, T, C]
         Kd = self.nk * self.dk
-        q = y[..., :Kd].reshape(N, T, self.nk, self.dk)
-        k = y[..., Kd:2 * Kd].reshape(N, T, self.nk, self.dk)
-        v = y[..., 2 * Kd:].reshape(N, T, self.nv, self.dv)
+        qk = l2norm(y[..., :2 * Kd].reshape(N, T, 2 * self.nk, self.dk).to(sdt))  # q and k heads in one pass
+        q, k = qk[:, :, :self.nk] * (self.dk ** -0.5), qk[:, :, self.nk:]
+        v = y[..., 2 * Kd:].reshape(N, T, self.nv, self.dv).to(sdt)
         beta = torch.sigmoid(b).to(sdt)
-        g = -self.A_log.to(sdt).exp() * F.softplus(a.to(sdt) + self.dt_bias.to(sdt))  # [N, T, nv]
+        neg_a, dt_bias = self._decay if self._decay is not None else (-self.A_log.to(sdt).exp(), self.dt_bias.to(sdt))
+        g = neg_a * F.softplus(a.to(sdt) + dt_bias)  # [N, T, nv] log decay
         r = self.nv // self.nk
         if r > 1:
             q, k = q.repeat_interleave(r, dim=2), k.repeat_interleave(r, dim=2)
-        q = l2norm(q.to(sdt)) * (self.dk ** -0.5)
-        k = l2norm(k.to(sdt))
-        v = v.to(sdt)
         if not live:
             o, _ = gdn_chunked(q, k, v, g, beta, None)
         elif ctx.record:
-            s = st.rec[ctx.slot_t, ctx.read_t]  # [N, nv, dk, dv] (a copy: slots may be overwritten below)
+            # [N, nv, dk, dv]; every step makes a new tensor, so writing slot t never clobbers the state read
+            s = st.rec[ctx.slots[0], ctx.read[0]][None] if N == 1 else st.rec[ctx.slot_t, ctx.read_t]
             outs = []
             for t in range(T):
                 o_t, s = gdn_recurrent_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], s)
-                st.rec[ctx.slot_t, ctx.write_t[:, t]] = s
+                if N == 1:
+                    st.rec[ctx.slots[0], ctx.write0[0] + t] = s[0]
+                else:
+                    st.rec[ctx.slot_t, ctx.write_t[:, t]] = s
                 outs.append(o_t)
-            o = torch.stack(outs, dim=1)  # [N, T, nv, dv]
+            o = torch.stack(outs, dim=1) if T > 1 else outs[0][:, None]  # [N, T, nv, dv]
             # conv state after token t = window[..., t+1 : t+Kc]: all T of them in one strided write
-            st.conv[ctx.slot_t[:, None], ctx.write_t] = window.unfold(-1, self.kc - 1, 1)[:, :, 1:T + 1].permute(0, 2, 1, 3)
+            states = window.unfold(-1, self.kc - 1, 1)[:, :, 1:T + 1].permute(0, 2, 1, 3)  # [N, T, C, Kc-1]
+            if N == 1:
+                st.conv[ctx.slots[0], ctx.write0[0]:ctx.write0[0] + T] = states[0]
+            else:
+                st.conv[ctx.slot_t[:, None], ctx.write_t] = states
         else:
-            s0 = st.rec[ctx.slot_t, ctx.read_t]
+            s0 = st.rec[ctx.slots[0], ctx.read[0]][None] if N == 1 else st.rec[ctx.slot_t, ctx.read_t]
             if T == 1:
                 o, s = gdn_recurrent_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], s0)
                 o = o[:, None]
             else:
                 o, s = gdn_chunked(q, k, v, g, beta, s0)
-            st.rec[ctx.slot_t, ctx.write_t] = s
-            st.conv[ctx.slot_t, ctx.write_t] = window[..., T:]
+            if N == 1:
+                st.rec[ctx.slots[0], ctx.write0[0]] = s[0]
+                st.conv[ctx.slots[0], ctx.write0[0]] = window[0, :, T:]
+            else:
+                st.rec[ctx.slot_t, ctx.write_t] = s
+                st.conv[ctx.slot_t, ctx.write_t] = window[..., T:]
         o = self.norm(o.to(dt), z)  # [N, T, nv, dv]
         return self.out_proj(o.reshape(N, T, self.nv * self.dv))
 
@@ -302,6 +366,13 @@ class Qwen35ForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.mtp = MtpHead(cfg) if cfg.has_mtp else None
+
+    def fuse(self) -> None:
+        """Inference layout: one GEMM per group of projections that read the same input (GDN qkv|z|b|a,
+        attention q|k|v, MLP gate|up). Parameters keep their HF names as views of the fused weights."""
+        for m in self.modules():
+            if m is not self and hasattr(m, "fuse"):
+                m.fuse()
 
     def forward_step(self, ids: torch.Tensor, ctx: FwdCtx, pool: "StatePool") -> torch.Tensor:
         """ids [N, T] at the rows and positions `ctx` names in `pool` -> pre-final-norm hidden [N, T, H].

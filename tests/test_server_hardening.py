@@ -129,10 +129,20 @@ def test_stream_dropped_at_its_first_chunk_is_cancelled(slow):
     assert wait_until(lambda: idle(s))
 
 
-def test_non_stream_client_timeouts_cancel_their_jobs(slow):
+def test_non_stream_client_timeouts_cancel_their_jobs(slow, monkeypatch):
+    """Clients that give up (a 2 s timeout; a job needs far longer) leave no job behind."""
     s = slow
     aborted = s.metric("nextn_request_success_total", finished_reason="abort")
-    client = openai.OpenAI(base_url=s.base_url, api_key="x", max_retries=0, timeout=0.5)
+    length = s.metric("nextn_request_success_total", finished_reason="length")
+    submitted: list[int] = []
+    submit = s.worker.submit
+
+    def counting_submit(jobs):
+        submit(jobs)
+        submitted.append(len(jobs))
+
+    monkeypatch.setattr(s.worker, "submit", counting_submit)
+    client = openai.OpenAI(base_url=s.base_url, api_key="x", max_retries=0, timeout=2.0)
     n = 12
     raised: list[str] = []
 
@@ -148,10 +158,11 @@ def test_non_stream_client_timeouts_cancel_their_jobs(slow):
         t.start()
     for t in threads:
         t.join(30)
-    assert raised == ["APITimeoutError"] * n
-    assert wait_until(lambda: s.metric("nextn_request_success_total", finished_reason="abort") == aborted + n,
-                      timeout=15)
+    assert raised == ["APITimeoutError"] * n and submitted  # (a request may time out before it is submitted)
+    assert wait_until(lambda: s.metric("nextn_request_success_total", finished_reason="abort")
+                      == aborted + sum(submitted), timeout=15)
     assert wait_until(lambda: idle(s))
+    assert s.metric("nextn_request_success_total", finished_reason="length") == length
     short = openai.OpenAI(base_url=s.base_url, api_key="x", max_retries=0, timeout=60)
     r = short.completions.create(model=s.model, prompt="Hi", max_tokens=3, temperature=0)
     assert r.choices[0].finish_reason in ("stop", "length")
@@ -392,7 +403,9 @@ def test_slow_headers_and_slow_bodies_are_cut_off():
         sock = socket.create_connection(("127.0.0.1", s.settings.port), timeout=10)
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 100\r\n\r\n{\"model\": ")
-        reply = sock.recv(4096)
+        reply = b""
+        while chunk := sock.recv(4096):  # until the server closes the connection
+            reply += chunk
         assert reply.startswith(b"HTTP/1.1 408") and b"request_timeout" in reply
         sock.close()
         assert wait_until(lambda: s.open_connections == 0)
@@ -459,11 +472,14 @@ def test_openapi_documents_every_route_body_and_error(srv):
         op = doc["paths"][path]["post"]
         body = _resolve(doc, op["requestBody"]["content"]["application/json"]["schema"]["$ref"])
         assert set(body["properties"]) == set(model.model_fields)
+        nested = model.model_json_schema(ref_template="#/components/schemas/{model}").get("$defs", {})
+        assert all(doc["components"]["schemas"][name] == sub for name, sub in nested.items())  # no name clash
         assert {"200", "400", "401", "404", "408", "413", "429", "500", "503"} <= set(op["responses"])
         assert "text/event-stream" in op["responses"]["200"]["content"]
         for code in ("400", "429", "500"):
             err = _resolve(doc, op["responses"][code]["content"]["application/json"]["schema"]["$ref"])
             assert set(err["properties"]) == {"error"}
+    assert "ChatCompletionChunk" in doc["components"]["schemas"]  # named by the SSE description
     stop = _resolve(doc, "#/components/schemas/CompletionRequest")["properties"]["stop"]
     assert {"maxItems": p.MAX_STOP_STRINGS} .items() <= stop["anyOf"][1].items()
     messages = _resolve(doc, "#/components/schemas/ChatCompletionRequest")["properties"]["messages"]

@@ -17,9 +17,9 @@ import os
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 log = logging.getLogger("nextn.config")
 
@@ -64,8 +64,18 @@ class ServeSettings(BaseModel):
     max_num_batched_tokens: int = Field(
         512, ge=1, description="tokens one scheduler step may run (the round's verify tokens, then prompt chunks)")
     max_queue: int = Field(64, ge=1, description="sessions waiting for a slot before requests get 429")
-    api_key: str | None = Field(
-        None, min_length=1, description="require `Authorization: Bearer KEY` on /v1/* (default: no key)")
+    api_key: SecretStr | None = Field(
+        None, min_length=1, description="require `Authorization: Bearer KEY` on every /v1 route (default: no key; "
+                                        "never logged)")
+    allow_special_tokens_in_content: bool = Field(
+        False, description="tokenize special-token text inside chat messages (<|im_start|>...) as control "
+                           "tokens, as transformers does; only for trusted callers (default: plain text)")
+    timeout_header: float = Field(
+        10.0, gt=0, description="seconds a connection has to send a request's headers (then it is closed)")
+    timeout_body: float = Field(60.0, gt=0, description="seconds a request has to send its body (then 408)")
+    timeout_keep_alive: float = Field(5.0, gt=0, description="seconds an idle keep-alive connection stays open")
+    max_connections: int = Field(
+        512, ge=1, description="open HTTP connections; a connection beyond it is closed at once")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available, else cpu")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="auto = float32 on cpu, the checkpoint's dtype on cuda")
@@ -98,6 +108,11 @@ class ServeSettings(BaseModel):
         """Base URL clients use (``http://host:port``)."""
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}"
+
+
+#: Settings whose values never appear in messages or logs: the `SecretStr` ones.
+SECRET_SETTINGS = frozenset(name for name, f in ServeSettings.model_fields.items()
+                            if SecretStr in (f.annotation, *get_args(f.annotation)))
 
 
 def field_names() -> list[str]:
@@ -176,7 +191,8 @@ def _one_line(err: ValidationError, values: Mapping[str, Any], source: Mapping[s
     key = str(first["loc"][0])
     if key not in values:
         return f"invalid default {flag(key)}: {msg}{more}"
-    return f"invalid value {values[key]!r} for {source[key]}: {msg}{more}"
+    shown = "<hidden>" if key in SECRET_SETTINGS else repr(values[key])
+    return f"invalid value {shown} for {source[key]}: {msg}{more}"
 
 
 def resolve(settings: ServeSettings, *, cuda_available: bool, max_position_embeddings: int,

@@ -3,12 +3,15 @@
 Loads what a Qwen3.5 checkpoint ships (``tokenizer.json``, ``tokenizer_config.json``,
 ``generation_config.json``, optionally ``chat_template.jinja``) with the ``tokenizers`` package and
 renders chat templates with jinja2 the way ``transformers`` does, so prompts are token-identical to
-``AutoTokenizer.apply_chat_template``. No dependency on ``transformers``.
+``AutoTokenizer.apply_chat_template``. No dependency on ``transformers``. ``encode_chat`` tokenizes a
+conversation so that only the template's own markup becomes control tokens (message text never does).
 """
 
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -20,6 +23,9 @@ from tokenizers import Tokenizer as _HFTokenizer
 
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+#: Placeholders for special-token text found in messages are taken from Unicode's supplementary
+#: private use area B (U+100000..U+10FFFD), skipping any character the conversation already uses.
+_PLACEHOLDER_BASE, _PLACEHOLDER_END = 0x100000, 0x10FFFE
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -93,6 +99,30 @@ def _prepare_message(message: Any) -> dict[str, Any]:
     return msg
 
 
+def _map_strings(value: Any, fn: Callable[[str], str]) -> Any:
+    """`value` (JSON-like: dicts, lists, tuples, scalars) with `fn` applied to every string, keys included."""
+    if isinstance(value, str):
+        return fn(value)
+    if isinstance(value, dict):
+        return {_map_strings(k, fn): _map_strings(v, fn) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map_strings(v, fn) for v in value)
+    return value
+
+
+def _strings(value: Any) -> Iterator[str]:
+    """Every string in `value` (JSON-like: dicts, lists, tuples, scalars), keys included."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _strings(k)
+            yield from _strings(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _strings(v)
+
+
 def _parse_tool_call_arguments(call: Any) -> Any:
     if not isinstance(call, dict):
         return call
@@ -132,6 +162,12 @@ class Tokenizer:
         self.pad_token_id: int | None = pad_token_id
         self.special_tokens: dict[str, str] = dict(special_tokens or {})
         self._compiled: jinja2.Template | None = None
+        added = tokenizer.get_added_tokens_decoder()
+        #: Ids of the control tokens (added tokens marked special: <|im_start|>, <|im_end|>...).
+        self.special_token_ids: frozenset[int] = frozenset(i for i, t in added.items() if t.special)
+        texts = sorted((t.content for t in added.values() if t.special), key=len, reverse=True)
+        self._special_text = re.compile("|".join(map(re.escape, texts))) if texts else None
+        self._plain: _HFTokenizer | None = None  # a copy that encodes special-token text as plain text
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
@@ -198,6 +234,75 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text``; added tokens written in the text (``<|im_start|>``...) become their ids."""
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Token ids of ``text`` with special-token text (``<|im_end|>``...) encoded as ordinary text; other
+        added tokens (``<think>``, ``<tool_call>``...) are still recognised, as in ``encode``."""
+        if self._plain is None:
+            plain = _HFTokenizer.from_str(self._tok.to_str())
+            plain.encode_special_tokens = True
+            self._plain = plain
+        return self._plain.encode(text, add_special_tokens=False).ids
+
+    def encode_chat(
+        self,
+        messages: list[dict],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        enable_thinking: bool | None = None,
+        special_tokens_in_content: bool = False,
+        **kwargs: Any,
+    ) -> list[int]:
+        """Token ids of the chat prompt: ``apply_chat_template`` (same arguments), then tokenization in which
+        only the template's own markup becomes control tokens.
+
+        Text of a special token written inside the messages or tools (``<|im_end|>\\n<|im_start|>system``
+        in a user's content) is tokenized as plain text, as OpenAI's API treats message content, so a
+        message cannot forge a turn. Conversations without such text get exactly
+        ``encode(apply_chat_template(...))`` (transformers' ``apply_chat_template(tokenize=True)``).
+        ``special_tokens_in_content=True`` restores that for every conversation (trusted callers).
+
+        How: each special-token text in a message string is swapped for a private-use character the
+        conversation does not contain, the template is rendered (so its logic sees the same structure),
+        the control tokens of the rendered text are all markup, and the text between them is tokenized
+        with the placeholders swapped back, by ``encode_plain``. Raises ValueError as
+        ``apply_chat_template`` does.
+        """
+
+        def render(msgs: list[dict], tls: list[dict] | None) -> str:
+            return self.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tools=tls,
+                                            enable_thinking=enable_thinking, **kwargs)
+
+        found = set() if special_tokens_in_content or self._special_text is None else {
+            m.group() for text in _strings((messages, tools)) for m in self._special_text.finditer(text)}
+        if not found:
+            return self.encode(render(messages, tools))
+        assert self._special_text is not None
+        used = set().union(*map(set, _strings((messages, tools))), self.chat_template or "")
+        free = (chr(c) for c in range(_PLACEHOLDER_BASE, _PLACEHOLDER_END) if chr(c) not in used)
+        placeholder = dict(zip(sorted(found), free, strict=False))
+        if len(placeholder) < len(found):
+            raise ValueError("the conversation uses every private-use character; cannot tokenize it safely")
+        pattern = self._special_text
+
+        def defuse(text: str) -> str:
+            return pattern.sub(lambda m: placeholder[m.group()], text)
+
+        safe_messages, safe_tools = _map_strings((messages, tools), defuse)
+        rendered = render(safe_messages, safe_tools)
+        restore = str.maketrans({ph: text for text, ph in placeholder.items()})
+        enc = self._tok.encode(rendered, add_special_tokens=False)
+        ids: list[int] = []
+        start = 0
+        for tok, (a, b) in zip(enc.ids, enc.offsets, strict=True):
+            if tok in self.special_token_ids:  # template markup: the messages' own are placeholders now
+                ids += self.encode_plain(rendered[start:a].translate(restore)) if a > start else []
+                ids.append(tok)
+                start = b
+        if start < len(rendered):
+            ids += self.encode_plain(rendered[start:].translate(restore))
+        return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         """Text of ``ids``; incomplete UTF-8 sequences decode to U+FFFD."""

@@ -1,33 +1,47 @@
 """FastAPI app: thin routes over the serving classes in `app.state`.
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models (API key checked on /v1/* when
-configured), GET /health (liveness), GET /ready (200 when serving, 503 while draining or if the worker
-died), GET /metrics (Prometheus text). Every error is an OpenAI error body (`serving.APIError`).
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models (API key checked on every /v1
+route when configured), GET /health (liveness), GET /ready (200 when serving, 503 while draining or if
+the worker died), GET /metrics (Prometheus text), GET /openapi.json and GET /docs (the schema of every
+route, request body and error response). Every error is an OpenAI error body (`serving.APIError`).
+
+Each request's work is tied to its connection: a client that leaves, at any point, has its jobs
+cancelled (`_until_disconnect` while the response is being prepared, a watcher task while a stream is
+sent). Body parsing and validation run in a worker thread, so a large or hostile body never stalls the
+event loop; an exception that escapes every handler becomes a 500 logged without the request.
 """
 from __future__ import annotations
 
 import asyncio
-import json
+import importlib.metadata
 import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
+import pydantic_core
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from metrics.prometheus import ServingMetrics
 from server import protocol as p
-from server.serving import APIError, ServingChat, ServingCompletion
+from server.serving import APIError, ServingChat, ServingCompletion, SSEStream, internal_error, printable
 from server.worker import Worker
 
 log = logging.getLogger("nextn.app")
 
 #: Largest request body accepted (413 above it).
 MAX_BODY_BYTES = 8 * 1024 * 1024
+#: The request models whose schemas /openapi.json documents as request bodies.
+REQUEST_MODELS: tuple[type[BaseModel], ...] = (p.ChatCompletionRequest, p.CompletionRequest)
+#: Models only described in text (the SSE events), added to /openapi.json's components so they can be read.
+EVENT_MODELS: tuple[type[BaseModel], ...] = (p.ChatCompletionChunk,)
 _M = TypeVar("_M", bound=BaseModel)
 
 
@@ -36,50 +50,88 @@ def error_response(err: APIError) -> JSONResponse:
 
 
 async def read_request(raw: Request, model: type[_M]) -> _M:
-    """Parse the JSON body into `model`: 413 over MAX_BODY_BYTES, 400 for malformed JSON or a value
-    that fails validation (param = the first offending field's dotted path)."""
+    """Read the body (413 over MAX_BODY_BYTES; 408 if it takes longer than the app's `timeout_body`
+    seconds) and parse it into `model` in a worker thread (`parse_body`)."""
+    too_large = APIError(413, f"request body exceeds {MAX_BODY_BYTES} bytes", code="request_too_large",
+                         headers={"Connection": "close"})
     if int(raw.headers.get("content-length") or 0) > MAX_BODY_BYTES:
-        raise APIError(413, f"request body exceeds {MAX_BODY_BYTES} bytes", code="request_too_large")
+        raise too_large
+    timeout: float = raw.app.state.timeout_body
     body = bytearray()
-    async for part in raw.stream():
-        body += part
-        if len(body) > MAX_BODY_BYTES:
-            raise APIError(413, f"request body exceeds {MAX_BODY_BYTES} bytes", code="request_too_large")
     try:
-        data = json.loads(body)
+        async with asyncio.timeout(timeout):
+            async for part in raw.stream():
+                body += part
+                if len(body) > MAX_BODY_BYTES:
+                    raise too_large
+    except TimeoutError:
+        raise APIError(408, f"the request body was not received within {timeout:g} s", code="request_timeout",
+                       headers={"Connection": "close"}) from None
+    return await asyncio.to_thread(parse_body, model, bytes(body))
+
+
+def parse_body(model: type[_M], body: bytes) -> _M:
+    """JSON bytes -> `model`. 400 (code invalid_json) for malformed JSON, invalid UTF-8, a lone surrogate
+    escape or nesting deeper than the parser's limit; 400 for a value that fails validation, with param =
+    the offending field's dotted path (pydantic's union-member tags left out)."""
+    try:
+        data = pydantic_core.from_json(body)
     except ValueError as e:
-        raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
+        raise APIError(400, f"malformed JSON body: {printable(e)}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(x) for x in first["loc"])
+        first = e.errors(include_url=False, include_input=False)[0]
+        where = _param(data, first["loc"])
+        msg = first["msg"].removeprefix("Value error, ")
         more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
-        raise APIError(400, f"{where}: {first['msg']}{more}", param=where or None) from None
+        raise APIError(400, f"{where or 'body'}: {msg}{more}", param=where or None) from None
+
+
+def _param(data: Any, loc: tuple[int | str, ...]) -> str:
+    """The dotted path of `loc` as far as it walks through `data`; a missing field's name ends it."""
+    path: list[str] = []
+    node = data
+    for key in loc:
+        if isinstance(node, dict) and isinstance(key, str):
+            path.append(printable(key, 64))
+            if key not in node:
+                break
+            node = node[key]
+        elif isinstance(node, list) and isinstance(key, int) and 0 <= key < len(node):
+            path.append(str(key))
+            node = node[key]
+        else:  # a union member's tag (pydantic's "str", "list[int]"...), not a place in the body
+            break
+    return ".".join(path)
 
 
 async def check_api_key(raw: Request) -> None:
-    """Dependency of /v1/*: with --api-key set, require `Authorization: Bearer <key>` (401 otherwise)."""
+    """Dependency of every /v1 route: with --api-key set, require `Authorization: Bearer <key>`
+    (constant-time compare; 401 otherwise)."""
     key: str | None = raw.app.state.api_key
     if key is None:
         return
     scheme, _, given = raw.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), key.encode()):
-        raise APIError(401, "invalid or missing API key", code="invalid_api_key")
+        raise APIError(401, "invalid or missing API key", code="invalid_api_key",
+                       headers={"WWW-Authenticate": "Bearer"})
+
+
+async def _disconnected(raw: Request) -> None:
+    """Return once the client has gone (or the response is complete: the ASGI server then reports a
+    disconnect too). Only called once the body has been read, so no request data is consumed."""
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _until_disconnect(raw: Request, work: Awaitable[Any]) -> Any:
-    """Run `work`; if the client disconnects first, cancel it (its cleanup frees the sessions) and
-    return None. Used for non-streaming responses (streams are cancelled by the ASGI server)."""
+    """Run `work`; if the client disconnects first, cancel it (its cleanup cancels any jobs it started)
+    and return None."""
     task = asyncio.ensure_future(work)
-
-    async def disconnected() -> None:
-        while (await raw.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(disconnected())
+    watcher = asyncio.ensure_future(_disconnected(raw))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -91,36 +143,120 @@ async def _until_disconnect(raw: Request, work: Awaitable[Any]) -> Any:
     return task.result()
 
 
-def _respond(result: BaseModel | AsyncIterator[str] | None) -> Response:
+async def _relay(stream: SSEStream, watcher: asyncio.Future[None]) -> AsyncIterator[str]:
+    try:
+        async for line in stream.body:
+            yield line
+    finally:
+        watcher.cancel()
+        stream.cancel()
+        await stream.body.aclose()  # type: ignore[attr-defined]
+
+
+async def _respond(raw: Request, work: Awaitable[BaseModel | SSEStream]) -> Response:
+    """The response for `work` (a serving `create`), tied to the connection: a client that leaves while
+    it runs cancels it; a stream's jobs are cancelled as soon as the client leaves, even if the stream's
+    body is never iterated (a client gone before the first chunk)."""
+    result = await _until_disconnect(raw, work)
     if result is None:  # the client left; nobody reads this
         return Response(status_code=499)
     if isinstance(result, BaseModel):
         return Response(result.model_dump_json(), media_type="application/json")
-    return StreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    watcher = asyncio.ensure_future(_disconnected(raw))
+    watcher.add_done_callback(lambda _: result.cancel())
+    return StreamingResponse(_relay(result, watcher), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
 
+
+# ------------------------------------------------------------------------------------ OpenAPI documents
+
+_ERROR_DOCS = {
+    400: "Bad request: malformed JSON, a field of the wrong type or out of range (param names it), a prompt "
+         "longer than the context",
+    401: "Missing or wrong API key (only when the server runs with --api-key)",
+    404: "Unknown model",
+    408: "The request body was not received in time (--timeout-body)",
+    413: f"Request body over {MAX_BODY_BYTES} bytes",
+    429: "The admission queue is full; retry after Retry-After seconds",
+    500: "Internal error; only this request failed",
+    503: "The server is draining for shutdown, or its worker stopped",
+}
+
+
+def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    docs: dict[int | str, dict[str, Any]] = {c: {"model": p.ErrorResponse, "description": _ERROR_DOCS[c]}
+                                             for c in codes}
+    if 429 in docs:
+        docs[429]["headers"] = {"Retry-After": {"schema": {"type": "integer"}, "description": "seconds"}}
+    return docs
+
+
+def _body_route(model: type[BaseModel], response: type[BaseModel], chunk: type[BaseModel]) -> dict[str, Any]:
+    """Route arguments documenting a JSON request body of `model` (parsed by `read_request`, so FastAPI
+    does not see it), its response (`response`, or SSE `chunk`s when `stream` is true) and its errors."""
+    return {
+        "openapi_extra": {"requestBody": {"required": True, "content": {"application/json": {
+            "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}},
+        "responses": {200: {"model": response, "description": f"A {response.__name__}; with `stream: true` a "
+                            f"text/event-stream of `data: <{chunk.__name__} JSON>` events ending with "
+                            f"`data: [DONE]` (an error mid-stream is a `data: <ErrorResponse JSON>` event)",
+                            "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+                      **_errors(400, 401, 404, 408, 413, 429, 500, 503)},
+    }
+
+
+class HealthStatus(BaseModel):
+    status: str
+
+
+_HEALTH_DOCS: dict[int | str, dict[str, Any]] = {
+    200: {"model": HealthStatus, "description": "serving"}, 503: {"model": HealthStatus, "description": "not"}}
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema plus the request bodies' models (validation mode), the SSE events' models and,
+    with --api-key, the bearer scheme on every /v1 operation."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        _, defs = models_json_schema([(m, "validation") for m in REQUEST_MODELS]
+                                     + [(m, "serialization") for m in EVENT_MODELS],
+                                     ref_template="#/components/schemas/{model}")
+        components = schema.setdefault("components", {})
+        known = components.setdefault("schemas", {})
+        for name, model_schema in defs.get("$defs", {}).items():
+            known.setdefault(name, model_schema)
+        if app.state.api_key is not None:
+            components["securitySchemes"] = {"bearerAuth": {"type": "http", "scheme": "bearer"}}
+            for path, ops in schema["paths"].items():
+                if path.startswith("/v1/"):
+                    for op in ops.values():
+                        op["security"] = [{"bearerAuth": []}]
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+# ----------------------------------------------------------------------------------------------- routes
 
 v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
 
 
-@v1.post("/chat/completions")
+@v1.post("/chat/completions", summary="Create a chat completion",
+         **_body_route(p.ChatCompletionRequest, p.ChatCompletionResponse, p.ChatCompletionChunk))
 async def create_chat_completion(raw: Request) -> Response:
     req = await read_request(raw, p.ChatCompletionRequest)
     serving: ServingChat = raw.app.state.serving_chat
-    if req.stream:
-        return _respond(await serving.create(req))
-    return _respond(await _until_disconnect(raw, serving.create(req)))
+    return await _respond(raw, serving.create(req))
 
 
-@v1.post("/completions")
+@v1.post("/completions", summary="Create a completion (legacy)",
+         **_body_route(p.CompletionRequest, p.CompletionResponse, p.CompletionResponse))
 async def create_completion(raw: Request) -> Response:
     req = await read_request(raw, p.CompletionRequest)
     serving: ServingCompletion = raw.app.state.serving_completion
-    if req.stream:
-        return _respond(await serving.create(req))
-    return _respond(await _until_disconnect(raw, serving.create(req)))
+    return await _respond(raw, serving.create(req))
 
 
-@v1.get("/models")
+@v1.get("/models", summary="List the served model", responses=_errors(401, 500))
 async def list_models(raw: Request) -> p.ModelList:
     return raw.app.state.model_list
 
@@ -128,13 +264,13 @@ async def list_models(raw: Request) -> p.ModelList:
 ops = APIRouter()
 
 
-@ops.get("/health")
+@ops.get("/health", summary="Liveness: the worker thread is alive", responses=_HEALTH_DOCS)
 async def health(raw: Request) -> JSONResponse:
     alive = raw.app.state.worker.alive
     return JSONResponse({"status": "ok" if alive else "worker dead"}, status_code=200 if alive else 503)
 
 
-@ops.get("/ready")
+@ops.get("/ready", summary="Readiness: serving, not draining", responses=_HEALTH_DOCS)
 async def ready(raw: Request) -> JSONResponse:
     worker: Worker = raw.app.state.worker
     if worker.draining:
@@ -144,10 +280,14 @@ async def ready(raw: Request) -> JSONResponse:
     return JSONResponse({"status": "ready"})
 
 
-@ops.get("/metrics")
+@ops.get("/metrics", summary="Prometheus metrics (text format)", response_class=PlainTextResponse,
+         responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
 async def metrics(raw: Request) -> Response:
     body, content_type = raw.app.state.metrics.render()
     return Response(body, media_type=content_type)
+
+
+# ------------------------------------------------------------------------------------------------ errors
 
 
 async def _api_error(_: Request, exc: Exception) -> JSONResponse:
@@ -161,20 +301,47 @@ async def _http_error(_: Request, exc: Exception) -> JSONResponse:
                                    code="not_found" if exc.status_code == 404 else None))
 
 
-async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
-    log.exception("unhandled error", exc_info=exc)
-    return error_response(APIError(500, f"internal error: {type(exc).__name__}", code="internal_error"))
+class InternalErrors:
+    """ASGI middleware: an exception that escaped every handler is logged once (`internal_error`: frames
+    and a bounded message, never the request) and answered with a 500 OpenAI error body if the response
+    has not started. It is not re-raised, so the ASGI server does not log it again in full."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as exc:  # noqa: BLE001 - the last line of defence
+            err = internal_error("unhandled error", exc, log)
+            if scope["type"] == "http" and not started:
+                await error_response(err)(scope, receive, send)
 
 
 def build_app(*, serving_chat: ServingChat, serving_completion: ServingCompletion, worker: Worker,
-              metrics: ServingMetrics, model_root: str, api_key: str | None) -> FastAPI:
-    """The ASGI app; the caller owns the worker's lifetime (start before serving, drain/shutdown after)."""
-    app = FastAPI(title="nextn", docs_url=None, redoc_url=None, openapi_url=None)
+              metrics: ServingMetrics, model_root: str, api_key: str | None, timeout_body: float = 60.0) -> FastAPI:
+    """The ASGI app; the caller owns the worker's lifetime (start before serving, drain/shutdown after).
+    `timeout_body`: seconds a client has to send a request body (408 after)."""
+    try:
+        version = importlib.metadata.version("nextn")
+    except importlib.metadata.PackageNotFoundError:
+        version = "0+unknown"
+    app = FastAPI(title="nextn", version=version, docs_url="/docs", redoc_url=None, openapi_url="/openapi.json",
+                  description="OpenAI-compatible server for Qwen3.5 with exact MTP speculative decoding. Errors "
+                              "are OpenAI error bodies; nextn extras are documented per field.")
     app.state.serving_chat = serving_chat
     app.state.serving_completion = serving_completion
     app.state.worker = worker
     app.state.metrics = metrics
     app.state.api_key = api_key
+    app.state.timeout_body = timeout_body
     app.state.model_list = p.ModelList(data=[p.ModelCard(
         id=serving_chat.model_name, created=int(time.time()), root=model_root,
         max_model_len=serving_chat.max_model_len)])
@@ -182,5 +349,6 @@ def build_app(*, serving_chat: ServingChat, serving_completion: ServingCompletio
     app.include_router(ops)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_exception_handler(Exception, _internal_error)
+    app.add_middleware(InternalErrors)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app

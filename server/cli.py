@@ -5,10 +5,15 @@ with a progress bar, starts the device worker and runs uvicorn. A bad setting or
 exits with status 2 (settings) or 1 (model) and one line on stderr. SIGTERM drains: /ready and new
 requests get 503, admitted requests finish, then the process exits 0. SIGINT is uvicorn's own (stop
 listening, wait for open responses; a second SIGINT forces the exit).
+
+Connections are served by `GuardedH11Protocol` (uvicorn's h11 protocol): a request's headers must
+arrive within --timeout-header seconds of the connection opening or going idle (a client trickling a
+header byte at a time is closed), and at most --max-connections connections are open at once.
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import logging
 import signal
@@ -19,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from config.settings import (
     DEFAULT_CONFIG_FILE,
@@ -56,9 +62,12 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         help_ = f"{f.description} [env {env_var(name)}{default}]"
         if name == "model_dir":
             sp.add_argument("model_dir", nargs="?", metavar="MODEL_DIR", default=argparse.SUPPRESS, help=help_)
-        else:
-            sp.add_argument(flag(name), dest=name, metavar=name.split("_")[-1].upper(), default=argparse.SUPPRESS,
+        elif f.annotation is bool:
+            sp.add_argument(flag(name), dest=name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                             help=help_)
+        else:
+            metavar = "SECONDS" if name.startswith("timeout_") else name.split("_")[-1].upper()
+            sp.add_argument(flag(name), dest=name, metavar=metavar, default=argparse.SUPPRESS, help=help_)
     sp.add_argument("--config", metavar="FILE", default=None,
                     help=f"TOML settings file [env NEXTN_CONFIG; default {DEFAULT_CONFIG_FILE}]")
     sp.set_defaults(func=serve)
@@ -148,12 +157,16 @@ def build_server(settings: ServeSettings, model: Any, tokenizer: Any, **worker_k
                     max_num_seqs=settings.max_num_seqs, max_queue=settings.max_queue,
                     max_model_len=settings.max_model_len, max_num_batched_tokens=settings.max_num_batched_tokens,
                     **worker_kw)
-    common = dict(tokenizer=tokenizer, worker=worker, model_name=settings.served_model_name,
-                  max_model_len=settings.max_model_len, vocab_size=model.config.vocab_size, k=k)
-    app = build_app(serving_chat=ServingChat(**common), serving_completion=ServingCompletion(**common),
-                    worker=worker, metrics=metrics, model_root=str(settings.model_dir), api_key=settings.api_key)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None,
-                            log_level=settings.log_level, timeout_keep_alive=5)
+    common: dict[str, Any] = dict(tokenizer=tokenizer, worker=worker, model_name=settings.served_model_name,
+                                  max_model_len=settings.max_model_len, vocab_size=model.config.vocab_size, k=k)
+    chat = ServingChat(special_tokens_in_content=settings.allow_special_tokens_in_content, **common)
+    api_key = settings.api_key.get_secret_value() if settings.api_key is not None else None
+    app = build_app(serving_chat=chat, serving_completion=ServingCompletion(**common), worker=worker,
+                    metrics=metrics, model_root=str(settings.model_dir), api_key=api_key,
+                    timeout_body=settings.timeout_body)
+    protocol = guarded_h11(timeout_header=settings.timeout_header, max_connections=settings.max_connections)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, log_level=settings.log_level,
+                            http=protocol, timeout_keep_alive=settings.timeout_keep_alive)
     worker.start()
     return NextnServer(config, worker, settings, dtype=str(model.config.dtype).removeprefix("torch."))
 
@@ -211,3 +224,65 @@ class NextnServer(uvicorn.Server):
         self.worker.wait_idle()
         log.info("drained; shutting down")
         self.should_exit = True
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 connection protocol with two bounds uvicorn lacks.
+
+    - Header deadline: from the moment a connection opens, or finishes a response and waits for the next
+      request, the next request's headers must be complete within `timeout_header` seconds, or the
+      connection is closed. uvicorn's keep-alive timer alone restarts on every byte, so a client sending
+      one header byte at a time could hold a connection forever. (The body is bounded by the app:
+      `read_request`'s --timeout-body.)
+    - Connection cap: a connection opened while `max_connections` are already open is closed at once
+      (uvicorn's `limit_concurrency` only answers 503 to requests; it leaves idle connections open).
+
+    Subclass per server with `guarded_h11`; uvicorn builds one instance per connection.
+    """
+
+    timeout_header: float = 10.0
+    max_connections: int | None = None
+    _deadline: asyncio.TimerHandle | None = None
+    _waiting_after: object = None  # the request cycle the deadline was armed after (None: a new connection)
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if self.max_connections is not None and len(self.connections) > self.max_connections:
+            transport.close()
+            return
+        self._arm()
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._waiting_after = self.cycle
+        self._deadline = self.loop.call_later(self.timeout_header, self._on_deadline)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _on_deadline(self) -> None:
+        self._deadline = None
+        if self.cycle is self._waiting_after and not self.transport.is_closing():
+            self.transport.close()  # the headers did not arrive in time
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self._deadline is not None and self.cycle is not self._waiting_after:
+            self._disarm()  # a request's headers are complete
+
+    def on_response_complete(self) -> None:
+        if not self.transport.is_closing():
+            self._arm()  # before super(): it may start a pipelined request at once
+        super().on_response_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+
+def guarded_h11(*, timeout_header: float, max_connections: int | None) -> type[GuardedH11Protocol]:
+    """A `GuardedH11Protocol` class with these bounds, to pass as uvicorn's `http` protocol."""
+    return type("GuardedH11Protocol", (GuardedH11Protocol,),
+                {"timeout_header": timeout_header, "max_connections": max_connections})

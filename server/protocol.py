@@ -3,20 +3,33 @@
 Mirrors openai-python's types (`reference/serving-anchors.md` §4), fields in the official order. Requests
 allow unknown fields; the server ignores them and logs one line naming them (`ignored_fields`).
 Server extras that are not OpenAI fields (vLLM's spelling) are fenced under "nextn extras" below each
-request and documented with `Field(description=...)`.
+request and documented with `Field(description=...)`. Every request is bounded (the constants below: stop
+strings, messages, fields per object, seed range); the bounds appear in the OpenAPI schema too.
 """
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchema, model_validator
 
 from engine.spec import SpecSampling
 
 #: `top_logprobs` / completions `logprobs` upper bound (OpenAI's own limit is 20).
 MAX_TOP_LOGPROBS = 20
+#: Stop strings per request (OpenAI allows 4; vLLM does not bound them) and characters per stop string.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+#: Messages per chat request (OpenAI's own bound) and content parts per message.
+MAX_MESSAGES = 2048
+MAX_CONTENT_PARTS = 2048
+#: Keys per JSON object of a request, known and unknown fields together (bounds the work and the log
+#: line that unknown fields cost).
+MAX_OBJECT_FIELDS = 128
+#: `seed` range: what the engine's generator takes (torch's); choice i of n uses seed + i, so
+#: seed + n - 1 must stay in range too (checked by the server, param "seed").
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
 def _omit_none(v: Any) -> bool:
@@ -28,10 +41,55 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def _is_token_id(v: Any) -> bool:
+    return type(v) is int  # JSON true/false are not token ids
+
+
+def _check_prompt(v: Any) -> Any:
+    if isinstance(v, str):
+        return v
+    if isinstance(v, list) and (all(map(_is_token_id, v)) or all(isinstance(x, str) for x in v)
+                                or all(isinstance(x, list) and all(map(_is_token_id, x)) for x in v)):
+        return v
+    raise ValueError("prompt must be a string, a list of strings, a list of token ids (integers) or a list of "
+                     "lists of token ids")
+
+
+def _check_stop(v: Any) -> Any:
+    stops = [v] if isinstance(v, str) else v if v is not None else []
+    if not isinstance(stops, list) or not all(isinstance(x, str) for x in stops):
+        raise ValueError("stop must be a string or a list of strings")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}")
+    longest = max(map(len, stops), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters, got {longest}")
+    return v
+
+
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}}
+#: `prompt`: text, texts (one supported), token ids, or lists of token ids; JSON booleans are not token ids.
+Prompt = Annotated[str | list[int] | list[str] | list[list[int]], PlainValidator(_check_prompt), WithJsonSchema({
+    "anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}, _TOKEN_IDS,
+              {"type": "array", "items": _TOKEN_IDS}]})]
+_STOP = {"type": "string", "maxLength": MAX_STOP_CHARS}
+#: `stop`: one string or a list, bounded by MAX_STOP_STRINGS x MAX_STOP_CHARS.
+Stop = Annotated[str | list[str] | None, PlainValidator(_check_stop), WithJsonSchema({
+    "anyOf": [_STOP, {"type": "array", "items": _STOP, "maxItems": MAX_STOP_STRINGS}, {"type": "null"}]})]
+
+
 class OpenAIBaseModel(BaseModel):
-    """Request base: unknown fields are kept (so they can be named in a log line) and otherwise ignored."""
+    """Request base: unknown fields are kept (so they can be named in a log line) and otherwise ignored;
+    an object with more than MAX_OBJECT_FIELDS keys is rejected before its fields are validated."""
 
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bounded_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict) and len(data) > MAX_OBJECT_FIELDS:
+            raise ValueError(f"an object may have at most {MAX_OBJECT_FIELDS} fields, got {len(data)}")
+        return data
 
     def ignored_fields(self, prefix: str = "") -> list[str]:
         """Dotted names of every unknown field, here and in nested request models."""
@@ -67,7 +125,7 @@ class ContentPart(OpenAIBaseModel):
 
 class ChatMessage(OpenAIBaseModel):
     role: Literal["developer", "system", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: str | Annotated[list[ContentPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
@@ -79,8 +137,8 @@ class _SamplingFields(OpenAIBaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     n: int = Field(1, ge=1, le=128)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    stop: Stop = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -110,7 +168,7 @@ class _SamplingFields(OpenAIBaseModel):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     model: str
     logprobs: bool = False
     max_completion_tokens: int | None = None
@@ -122,7 +180,8 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     # --- nextn extras ---
     chat_template_kwargs: dict[str, Any] | None = Field(
-        None, description="template switches; `enable_thinking` (bool) is passed to the chat template")
+        None, max_length=MAX_OBJECT_FIELDS,
+        description="template switches; `enable_thinking` (bool) is passed to the chat template")
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -140,7 +199,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 class CompletionRequest(_SamplingFields):
     model: str
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Prompt
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     max_tokens: int | None = 16
 

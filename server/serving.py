@@ -2,18 +2,21 @@
 
 `OpenAIServing` holds what both endpoints share (model check, length checks, job submission, usage);
 `ServingChat` and `ServingCompletion` own their preprocessing and their full and streaming generators.
-Text is detokenized incrementally per choice (`ChoiceState`), stop strings are matched on that text
-(the stop string is cut, the session cancelled), and a request's usage carries the merged speculative
-telemetry of all its choices.
+Text is detokenized incrementally per choice (`ChoiceState`), stop strings are matched on that text in
+linear time (`StopMatcher`; the stop string is cut, the session cancelled), and a request's usage carries
+the merged speculative telemetry of all its choices. Request preprocessing (chat template, tokenization)
+runs in a worker thread, never on the event loop.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+import traceback
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,10 +28,13 @@ from server.worker import Job, JobEvent, QueueFull, Unavailable, Worker
 log = logging.getLogger("nextn.serving")
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
-                503: "service_unavailable"}
+                408: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+                500: "server_error", 503: "service_unavailable"}
 #: Seconds a client is told to wait after a 429.
 RETRY_AFTER_S = 1
+#: Unknown field names named in the one log line per request (the rest are counted), and characters per name.
+MAX_LOGGED_FIELDS = 16
+MAX_LOGGED_FIELD_CHARS = 64
 
 
 class APIError(Exception):
@@ -52,10 +58,85 @@ def sse(payload: p.BaseModel | str) -> str:
     return f"data: {data}\n\n"
 
 
+def printable(value: object, limit: int = 200) -> str:
+    """`value` as text fit for one log line or error message: at most `limit` characters (then "..."),
+    with control, quote and non-ASCII characters escaped as in JSON (a newline cannot forge a log line)."""
+    text = str(value)
+    cut = len(text) > limit
+    text = json.dumps(text[:limit])[1:-1][:limit]
+    return text + "..." if cut else text
+
+
+def internal_error(where: str, exc: BaseException, logger: logging.Logger = log) -> APIError:
+    """Log an unexpected exception once: its traceback's frames and its message through `printable` (so
+    neither a request body nor a newline from it reaches the log); return the 500 the client gets."""
+    frames = "".join(traceback.format_tb(exc.__traceback__))
+    logger.error("%s: %s: %s\nTraceback (most recent call last):\n%s", where, type(exc).__name__, printable(exc),
+                 frames.rstrip())
+    return APIError(500, f"internal error: {type(exc).__name__}", code="internal_error")
+
+
 def log_ignored_fields(req: p.OpenAIBaseModel) -> None:
+    """One warning naming the request's unknown fields: escaped, at most MAX_LOGGED_FIELDS names of at most
+    MAX_LOGGED_FIELD_CHARS characters, then a count of the rest."""
     ignored = req.ignored_fields()
     if ignored:
-        log.warning("ignoring unknown request field(s): %s", ", ".join(ignored))
+        names = ", ".join(printable(f, MAX_LOGGED_FIELD_CHARS) for f in ignored[:MAX_LOGGED_FIELDS])
+        more = f" (and {len(ignored) - MAX_LOGGED_FIELDS} more)" if len(ignored) > MAX_LOGGED_FIELDS else ""
+        log.warning("ignoring unknown request field(s): %s%s", names, more)
+
+
+class StopMatcher:
+    """Finds the first stop string in a text fed piece by piece, in time linear in the text.
+
+    One Knuth-Morris-Pratt automaton per stop string: after each character, `state[i]` is the length of
+    the longest prefix of stop i that ends the text so far. `feed` returns the offset, in the text fed by
+    that call, where the first completed stop string starts (the earliest-ending match; of those, the
+    longest; negative when it began in earlier text), or None; `pending` is how many trailing characters
+    may still begin a stop string (the text to hold back, never more than the longest stop string - 1).
+    Work per character is amortized O(number of stop strings).
+    """
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.fail = [self._failure(s) for s in self.stops]
+        self.state = [0] * len(self.stops)
+
+    @staticmethod
+    def _failure(s: str) -> list[int]:
+        """fail[j] = length of the longest proper border of s[:j + 1]."""
+        fail = [0] * len(s)
+        k = 0
+        for j in range(1, len(s)):
+            while k and s[j] != s[k]:
+                k = fail[k - 1]
+            if s[j] == s[k]:
+                k += 1
+            fail[j] = k
+        return fail
+
+    @property
+    def pending(self) -> int:
+        return max(self.state, default=0)
+
+    def feed(self, text: str) -> int | None:
+        if not self.stops:
+            return None
+        for pos, ch in enumerate(text):
+            hit = 0
+            for i, s in enumerate(self.stops):
+                k, fail = self.state[i], self.fail[i]
+                while k and ch != s[k]:
+                    k = fail[k - 1]
+                if ch == s[k]:
+                    k += 1
+                if k == len(s):
+                    hit = max(hit, k)
+                    k = fail[k - 1]
+                self.state[i] = k
+            if hit:
+                return pos + 1 - hit
+        return None
 
 
 @dataclass
@@ -81,7 +162,7 @@ class ChoiceState:
     def __init__(self, index: int, tokenizer: Tokenizer, prompt_ids: list[int], stops: Sequence[str]) -> None:
         self.index = index
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=True)
-        self.stops = list(stops)
+        self.matcher = StopMatcher(stops)
         self.held = ""
         self.text = ""
         self.token_ids: list[int] = []
@@ -106,14 +187,12 @@ class ChoiceState:
             d.token_ids.append(tok)
             if ev.logprobs is not None:
                 d.logprobs.append(ev.logprobs[i])
-            self.held += self.detok.push([tok])
-            if self._cut_at_stop():
+            if self._add(self.detok.push([tok])):
                 self.stopped = True
                 d.finish_reason = "stop"
                 break
         if ev.done and d.finish_reason is None:
-            self.held += self.detok.flush()
-            self.stopped = self._cut_at_stop()
+            self.stopped = self._add(self.detok.flush())
             d.finish_reason = "stop" if self.stopped else (ev.finish_reason or "stop")
         d.text = self._release(final=d.finish_reason is not None)
         self.text += d.text
@@ -122,15 +201,17 @@ class ChoiceState:
         self.finish_reason = d.finish_reason
         return d
 
-    def _cut_at_stop(self) -> bool:
-        hits = [i for i in (self.held.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            self.held = self.held[:min(hits)]
-        return bool(hits)
+    def _add(self, text: str) -> bool:
+        """Append new text to `held`; on a stop string cut `held` where it starts and return True."""
+        at = self.matcher.feed(text)
+        if at is None:
+            self.held += text
+            return False
+        self.held = (self.held + text)[:len(self.held) + at]  # at < 0: the stop began in the held text
+        return True
 
     def _release(self, final: bool) -> str:
-        keep = 0 if final else max((n for s in self.stops for n in range(len(s) - 1, 0, -1)
-                                    if self.held.endswith(s[:n])), default=0)
+        keep = 0 if final else min(self.matcher.pending, len(self.held))
         out, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
         return out
 
@@ -148,6 +229,15 @@ class Generation:
 
     def __init__(self, jobs: list[Job], choices: list[ChoiceState], events: asyncio.Queue[JobEvent]) -> None:
         self.jobs, self.choices, self.events = jobs, choices, events
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        """The client left: ask the worker to drop every unfinished job (idempotent; on the event loop).
+        `deltas` then ends quietly instead of reporting the aborts."""
+        self.cancelled = True
+        for job, choice in zip(self.jobs, self.choices, strict=True):
+            if not choice.done:
+                job.cancel("abort")
 
     async def deltas(self) -> AsyncIterator[Delta]:
         """Yield each choice's deltas until every job is done; a session error raises `APIError` (500)
@@ -157,9 +247,11 @@ class Generation:
                 ev = await self.events.get()
                 choice = self.choices[ev.index]
                 if ev.error is not None and not choice.finished:
-                    raise APIError(500, f"generation failed: {type(ev.error).__name__}: {ev.error}",
+                    raise APIError(500, f"generation failed: {type(ev.error).__name__}: {printable(ev.error)}",
                                    code="internal_error")
                 if ev.finish_reason == "abort" and not choice.finished:
+                    if self.cancelled:
+                        return
                     raise APIError(503, "the request was aborted: the server is shutting down", code="aborted")
                 d = choice.feed(ev)
                 if choice.stopped:
@@ -180,6 +272,15 @@ class Generation:
         return total
 
 
+@dataclass
+class SSEStream:
+    """A streaming response whose jobs are already running: `body` yields the SSE lines; `cancel` drops
+    the jobs (call it when the client leaves, whether or not `body` was ever iterated)."""
+
+    body: AsyncIterator[str]
+    cancel: Callable[[], None]
+
+
 class OpenAIServing:
     """Shared by both endpoints. `k` is the server's speculation depth (0 = plain decode)."""
 
@@ -189,13 +290,17 @@ class OpenAIServing:
         self.model_name, self.max_model_len = model_name, max_model_len
         self.vocab_size, self.k = vocab_size, k
 
-    def check_model(self, name: str) -> None:
-        if name != self.model_name:
-            raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
-
-    def check_n(self, n: int) -> None:
-        if n > self.worker.max_queue:
+    def check(self, req: p.ChatCompletionRequest | p.CompletionRequest) -> None:
+        """Checks shared by both endpoints: the model exists, `n` fits the queue, every choice's seed is in
+        range. Logs the request's unknown fields."""
+        log_ignored_fields(req)
+        if req.model != self.model_name:
+            raise APIError(404, f"The model `{printable(req.model, 100)}` does not exist.", param="model",
+                           code="model_not_found")
+        if req.n > self.worker.max_queue:
             raise APIError(400, f"n must be <= {self.worker.max_queue} (the admission queue size)", param="n")
+        if req.seed is not None and req.seed + req.n - 1 > p.SEED_MAX:
+            raise APIError(400, f"seed + n - 1 must be <= {p.SEED_MAX} (choice i uses seed + i)", param="seed")
 
     def budget(self, prompt_ids: list[int], requested: int | None, *, param: str, prompt_param: str) -> _Prepared:
         """Check the prompt against the context; the completion budget is `requested` (the request field
@@ -244,32 +349,36 @@ class OpenAIServing:
     def token_text(self, tok: int) -> str:
         return self.tokenizer.decode([tok])
 
-    async def encode_async(self, text: str) -> list[int]:
-        return await asyncio.to_thread(self.tokenizer.encode, text)
-
 
 class ServingChat(OpenAIServing):
     """POST /v1/chat/completions."""
 
-    async def create(self, req: p.ChatCompletionRequest) -> p.ChatCompletionResponse | AsyncIterator[str]:
-        """Validate, submit and return the full response, or an SSE iterator when `req.stream`.
+    def __init__(self, *, special_tokens_in_content: bool = False, **kw: Any) -> None:
+        """`special_tokens_in_content`: tokenize special-token text inside messages as control tokens (the
+        --allow-special-tokens-in-content setting, for trusted callers); by default it is plain text."""
+        super().__init__(**kw)
+        self.special_tokens_in_content = special_tokens_in_content
+
+    async def create(self, req: p.ChatCompletionRequest) -> p.ChatCompletionResponse | SSEStream:
+        """Validate, submit and return the full response, or an `SSEStream` when `req.stream`.
         Raises `APIError` for anything the client got wrong and for 429/503/500."""
-        log_ignored_fields(req)
-        self.check_model(req.model)
-        self.check_n(req.n)
-        if req.tools or (req.response_format is not None and req.response_format.type != "text"):
-            raise APIError(400, "structured output (response_format json_object/json_schema, tools) is not "
-                                "available yet", param="tools" if req.tools else "response_format")
-        prompt_ids = await self.encode_async(self._render(req))
-        prep = self.budget(prompt_ids, req.max_new_tokens, prompt_param="messages",
-                           param="max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
+        prep = await asyncio.to_thread(self._prepare, req)
         gen = self.start(req, prep)
         rid = p.random_id("chatcmpl")
         if req.stream:
-            return self._stream(req, rid, gen, prep)
+            return SSEStream(self._stream(req, rid, gen, prep), gen.cancel)
         return await self._full(req, rid, gen, prep)
 
-    def _render(self, req: p.ChatCompletionRequest) -> str:
+    def _prepare(self, req: p.ChatCompletionRequest) -> _Prepared:
+        """Checks, chat template and tokenization (runs in a worker thread)."""
+        self.check(req)
+        if req.tools or (req.response_format is not None and req.response_format.type != "text"):
+            raise APIError(400, "structured output (response_format json_object/json_schema, tools) is not "
+                                "available yet", param="tools" if req.tools else "response_format")
+        return self.budget(self._prompt_ids(req), req.max_new_tokens, prompt_param="messages",
+                           param="max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
+
+    def _prompt_ids(self, req: p.ChatCompletionRequest) -> list[int]:
         messages = []
         for i, m in enumerate(req.messages):
             content = m.content
@@ -284,10 +393,10 @@ class ServingChat(OpenAIServing):
                              "tool_call_id": m.tool_call_id})
         thinking = (req.chat_template_kwargs or {}).get("enable_thinking")
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                      enable_thinking=thinking)
+            return self.tokenizer.encode_chat(messages, add_generation_prompt=True, enable_thinking=thinking,
+                                              special_tokens_in_content=self.special_tokens_in_content)
         except ValueError as e:
-            raise APIError(400, str(e), param="messages") from None
+            raise APIError(400, printable(e, 500), param="messages") from None
 
     def _logprobs(self, lps: list[TokenLogprob]) -> p.ChatChoiceLogprobs:
         def entry(tok: int, lp: float) -> p.TopLogprob:
@@ -332,34 +441,37 @@ class ServingChat(OpenAIServing):
                 yield chunk([], usage=self.usage(gen, len(prep.prompt_ids)))
         except APIError as e:
             yield sse(e.body())
+        except Exception as e:  # noqa: BLE001 - the stream has started: report it in-band
+            yield sse(internal_error("chat stream failed", e).body())
         yield sse("[DONE]")
 
 
 class ServingCompletion(OpenAIServing):
     """POST /v1/completions (one prompt per request: text or token ids)."""
 
-    async def create(self, req: p.CompletionRequest) -> p.CompletionResponse | AsyncIterator[str]:
-        """Validate, submit and return the full response, or an SSE iterator when `req.stream`.
+    async def create(self, req: p.CompletionRequest) -> p.CompletionResponse | SSEStream:
+        """Validate, submit and return the full response, or an `SSEStream` when `req.stream`.
         Raises `APIError` for anything the client got wrong and for 429/503/500."""
-        log_ignored_fields(req)
-        self.check_model(req.model)
-        self.check_n(req.n)
-        prompt_ids = await self._prompt_ids(req.prompt)
-        prep = self.budget(prompt_ids, req.max_tokens, param="max_tokens", prompt_param="prompt")
+        prep = await asyncio.to_thread(self._prepare, req)
         gen = self.start(req, prep)
         rid = p.random_id("cmpl")
         if req.stream:
-            return self._stream(req, rid, gen, prep)
+            return SSEStream(self._stream(req, rid, gen, prep), gen.cancel)
         return await self._full(req, rid, gen, prep)
 
-    async def _prompt_ids(self, prompt: str | list[int] | list[str] | list[list[int]]) -> list[int]:
+    def _prepare(self, req: p.CompletionRequest) -> _Prepared:
+        """Checks and tokenization (runs in a worker thread)."""
+        self.check(req)
+        return self.budget(self._prompt_ids(req.prompt), req.max_tokens, param="max_tokens", prompt_param="prompt")
+
+    def _prompt_ids(self, prompt: str | list[int] | list[str] | list[list[int]]) -> list[int]:
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) != 1:
                 raise APIError(400, "batched prompts are not supported; send one prompt per request",
                                param="prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            return await self.encode_async(prompt)
+            return self.tokenizer.encode(prompt)
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]  # type: ignore[operator]
         if bad:
             raise APIError(400, f"token id {bad[0]} is out of range [0, {self.vocab_size})", param="prompt")
@@ -411,4 +523,6 @@ class ServingCompletion(OpenAIServing):
                 yield sse(head.model_copy(update={"usage": self.usage(gen, len(prep.prompt_ids))}))
         except APIError as e:
             yield sse(e.body())
+        except Exception as e:  # noqa: BLE001 - the stream has started: report it in-band
+            yield sse(internal_error("completion stream failed", e).body())
         yield sse("[DONE]")

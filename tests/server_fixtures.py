@@ -59,17 +59,20 @@ def wait_until(predicate: Any, timeout: float = 10.0, interval: float = 0.02) ->
 class ServerThread:
     """A real nextn server (uvicorn + worker) on 127.0.0.1 in a background thread; a context manager.
 
-    `settings` override `ServeSettings` fields; `worker_kw` go to `Worker` (e.g. `session_factory`).
+    `settings` override `ServeSettings` fields; `worker_kw` go to `Worker` (e.g. `session_factory`);
+    `tokenizer` replaces the tiny checkpoint's (tests wrap it to block or fail on cue).
     """
 
-    def __init__(self, worker_kw: dict[str, Any] | None = None, **settings: Any) -> None:
+    def __init__(self, worker_kw: dict[str, Any] | None = None, tokenizer: Any = None, **settings: Any) -> None:
         model, tok = tiny_model_and_tokenizer()
-        s = ServeSettings(model_dir=tiny_checkpoint(), port=free_port(), device="cpu", dtype="float32",
-                          log_level="warning", **settings)
+        tok = tokenizer if tokenizer is not None else tok
+        s = ServeSettings(**{"model_dir": tiny_checkpoint(), "port": free_port(), "device": "cpu",
+                             "dtype": "float32", "log_level": "warning", **settings})
         self.settings, _ = resolve(s, cuda_available=False, has_mtp=model.config.has_mtp,
                                    max_position_embeddings=model.config.max_position_embeddings)
         self.server: NextnServer = build_server(self.settings, model, tok, **(worker_kw or {}))
         self.worker = self.server.worker
+        self.app = self.server.config.app
         self.url = self.settings.url
         self.base_url = self.url + "/v1"
         self.model = self.settings.served_model_name
@@ -90,6 +93,16 @@ class ServerThread:
         self._thread.join(timeout=20)
         self.worker.shutdown(timeout=20)
         torch.set_num_threads(self._threads)
+
+    @property
+    def open_connections(self) -> int:
+        """HTTP connections uvicorn holds open now."""
+        return len(self.server.server_state.connections)
+
+    @property
+    def handlers_running(self) -> int:
+        """Requests whose ASGI handler has not returned yet."""
+        return len(self.server.server_state.tasks)
 
     def metric(self, name: str, **labels: str) -> float:
         """Current value of one sample on /metrics (0 if absent)."""

@@ -83,7 +83,7 @@ def test_stop_string_spanning_tokens_is_never_released():
         released += d.text
         if d.finish_reason:
             break
-        assert any(stop.startswith(st.held) for stop in st.stops)  # only a possible stop prefix is held
+        assert any(stop.startswith(st.held) for stop in st.matcher.stops)  # only a possible stop prefix is held
     assert (released, st.text, st.finish_reason, st.stopped) == ("Hello world! The ", "Hello world! The ", "stop", True)
     assert st.token_ids == ids[:fed] and tok.decode(st.token_ids).endswith("quick")
 

@@ -35,7 +35,7 @@ def test_precedence_cli_over_env_over_file_over_defaults(tmp_path):
     args = build_parser().parse_args(["serve", "--config", str(cfg), "--port", "3333"])
     s = settings_from_args(args, environ=env)
     assert s.port == 3333  # CLI beats env and file
-    assert s.max_num_seqs == 3 and s.api_key == "from-env"  # env beats file
+    assert s.max_num_seqs == 3 and s.api_key.get_secret_value() == "from-env"  # env beats file
     assert s.host == "0.0.0.0" and s.max_queue == 5  # file beats defaults
     assert s.max_num_batched_tokens == 512 and s.num_speculative_tokens == 3  # defaults
     assert s.model_dir == tmp_path

@@ -22,6 +22,7 @@ from typing import Any
 
 from engine.spec import SpecTelemetry, TokenLogprob
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from metrics.prometheus import ServingMetrics
 from server import protocol as p
 from server.worker import Job, JobEvent, QueueFull, Unavailable, Worker
 
@@ -225,11 +226,20 @@ class _Prepared:
 
 
 class Generation:
-    """The n jobs of one request and their shared event queue (all on one event loop)."""
+    """The n jobs of one request and their shared event queue (all on one event loop).
 
-    def __init__(self, jobs: list[Job], choices: list[ChoiceState], events: asyncio.Queue[JobEvent]) -> None:
+    Request-level metrics are recorded here, once per request (vLLM's definitions; n choices are one
+    request): prompt tokens, `request_success{finished_reason}` and end-to-end latency when the request
+    ends, and generation tokens as tokens are delivered to a choice (after stop-string cuts), so the
+    counter's increase equals the sum of the requests' `usage.completion_tokens`."""
+
+    def __init__(self, jobs: list[Job], choices: list[ChoiceState], events: asyncio.Queue[JobEvent],
+                 metrics: ServingMetrics, prompt_tokens: int) -> None:
         self.jobs, self.choices, self.events = jobs, choices, events
         self.cancelled = False
+        self.metrics, self.prompt_tokens = metrics, prompt_tokens
+        self.arrival = time.monotonic()
+        self._recorded = False
 
     def cancel(self) -> None:
         """The client left: ask the worker to drop every unfinished job (idempotent; on the event loop).
@@ -238,6 +248,16 @@ class Generation:
         for job, choice in zip(self.jobs, self.choices, strict=True):
             if not choice.done:
                 job.cancel("abort")
+        self._record("abort")
+
+    def _record(self, reason: str) -> None:
+        """The request ended with `reason` (stop, length, abort, error): its request-level metrics, once."""
+        if self._recorded:
+            return
+        self._recorded = True
+        self.metrics.add_prompt_tokens(self.prompt_tokens)
+        self.metrics.request_finished(reason)
+        self.metrics.observe_e2e(time.monotonic() - self.arrival)
 
     async def deltas(self) -> AsyncIterator[Delta]:
         """Yield each choice's deltas until every job is done; a session error raises `APIError` (500)
@@ -247,21 +267,27 @@ class Generation:
                 ev = await self.events.get()
                 choice = self.choices[ev.index]
                 if ev.error is not None and not choice.finished:
+                    self._record("error")
                     raise APIError(500, f"generation failed: {type(ev.error).__name__}: {printable(ev.error)}",
                                    code="internal_error")
                 if ev.finish_reason == "abort" and not choice.finished:
+                    self._record("abort")
                     if self.cancelled:
                         return
                     raise APIError(503, "the request was aborted: the server is shutting down", code="aborted")
                 d = choice.feed(ev)
+                if d.token_ids:
+                    self.metrics.add_generation_tokens(len(d.token_ids))
                 if choice.stopped:
                     self.jobs[ev.index].cancel("stop")
                 if d.text or d.token_ids or d.finish_reason:
                     yield d
+            self._record("length" if any(c.finish_reason == "length" for c in self.choices) else "stop")
         finally:
             for job, choice in zip(self.jobs, self.choices, strict=False):
                 if not choice.done:
                     job.cancel("abort")
+            self._record("abort")  # left early (the client went away); a no-op when already recorded
 
     def telemetry(self) -> SpecTelemetry:
         """The merged telemetry of all jobs (final once every job is done)."""
@@ -338,7 +364,7 @@ class OpenAIServing:
             raise APIError(429, str(e), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except Unavailable as e:
             raise APIError(503, str(e), code="unavailable") from None
-        return Generation(jobs, choices, events)
+        return Generation(jobs, choices, events, self.worker.metrics, len(prep.prompt_ids))
 
     def usage(self, gen: Generation, prompt_tokens: int) -> p.UsageInfo:
         completion = sum(len(c.token_ids) for c in gen.choices)

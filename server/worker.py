@@ -248,8 +248,6 @@ class Worker:
             if not job.done:  # the event first: metrics may be what failed
                 job.done = True
                 job.publish(JobEvent(job.index, [], done=True, finish_reason="error", error=failure, telem=job.telem))
-                with contextlib.suppress(Exception):
-                    self.metrics.request_finished("error")
         with contextlib.suppress(Exception):
             self.metrics.set_running(0)
             self.metrics.set_waiting(0)
@@ -267,7 +265,6 @@ class Worker:
             self._finish(job, "error", error=e)
             return None
         self.scheduler.add(sess)
-        self.metrics.add_prompt_tokens(len(job.prompt_ids))
         return _Active(job, sess)
 
     def _step(self) -> None:
@@ -285,9 +282,9 @@ class Worker:
             a.seen = sess.telem.copy()
             self.metrics.add_spec(delta)
             job.telem.merge(delta)
-            self.metrics.add_generation_tokens(len(new_ids))
             if a.last_emit is None:
-                self.metrics.observe_ttft(t1 - job.arrival)
+                if job.index == 0:  # one TTFT sample per request: its first choice's first token
+                    self.metrics.observe_ttft(t1 - job.arrival)
             else:
                 self.metrics.observe_itl(t1 - a.last_emit)
             a.last_emit = t1
@@ -308,7 +305,6 @@ class Worker:
         log.debug("step: %d session(s), %.1f ms", len(self._active), (t1 - t0) * 1e3)
 
     def _finish(self, job: Job, reason: str, error: BaseException | None = None) -> None:
+        """The job's final event (request-level metrics are the serving layer's: one request, n jobs)."""
         job.done = True
-        self.metrics.request_finished(reason)
-        self.metrics.observe_e2e(time.monotonic() - job.arrival)
         job.publish(JobEvent(job.index, [], done=True, finish_reason=reason, error=error, telem=job.telem))

@@ -1,25 +1,29 @@
 #!/usr/bin/env python3
-"""GPU benchmark and checks of the engine/model/ops Triton kernels (issue #11).
+"""GPU benchmark and checks of the engine's kernel path (issue #11): the Triton kernels and the whole model.
 
-    python bench/gpu.py --smoke     every kernel vs its torch twin and every bitwise invariance check at tiny
-                                    shapes; without CUDA it runs on the CPU under TRITON_INTERPRET=1 (set here);
-                                    prints a PASS/FAIL table, exit status 1 on any FAIL.
-    python bench/gpu.py             on a GPU (one call, a few minutes): the same checks at Qwen3.5-0.8B and 9B
-                                    shapes (and the 35B-A3B experts for the grouped matmul), in bf16, then each
-                                    kernel's time vs its torch equivalent, the copy bandwidth and the HBM floor
-                                    of a decode step (weight bytes / copy bandwidth). Markdown on stdout;
-                                    --json PATH also writes the rows.
+    python bench/gpu.py --smoke     every kernel vs its torch twin, every bitwise invariance check, and the
+                                    whole-model checks (alone == batched, T=1 == T=K+1, greedy spec == plain
+                                    through the scheduler's graph runner, ours vs transformers) at tiny shapes;
+                                    without CUDA it runs on the CPU under TRITON_INTERPRET=1 (set here);
+                                    exit status 1 on any FAIL.
+    python bench/gpu.py             on a GPU, one call of at most 8 minutes (--budget-s, default 390): the kernel
+                                    checks and timings at Qwen3.5-0.8B / 9B shapes (and the 35B-A3B experts),
+                                    the copy bandwidth, then per random-weight bf16 model (0.8B, 9B, 35B-A3B with
+                                    8 of its 40 layers): HBM floor, plain decode / verify K+1 / MTP draft step
+                                    times at batch 1 and 8 (CUDA graph replays), prefill tokens/s, end-to-end
+                                    greedy tokens/s, transformers `generate` as the peer, the bitwise checks in
+                                    bf16; goals printed next to the figures. Markdown on stdout; --json PATH
+                                    also writes the rows.
 
-Phase 2 (model integration, CUDA graphs) adds the whole-model rows: see PHASE2_TODO and `model_steps`.
-Tests never assert timings: the figures go to bench/RESULTS.md as ratios.
+Tests never assert timings: the figures go to bench/RESULTS.md as ratios. Model rows: bench/gpu_model.py.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import statistics
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -28,20 +32,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from cuda_timing import cuda_ms  # noqa: E402  (bench/, the script's folder)
 
 W = 5  # K + 1 = 5 verify positions (K = 4)
 BATCH = 8
-
-PHASE2_TODO = [
-    "plain decode step time at batch 1 and 8 vs the HBM floor (goal <= 1.5x floor at batch 1)",
-    "verify K+1 (K = 1..4) step time vs plain decode (goal <= 1.2x at K+1 = 4)",
-    "MTP draft step vs plain decode (goal <= 0.3x at 0.8B, <= 0.15x at 9B)",
-    "prefill tokens/s (torch chunked GDN vs fla-core's chunk kernel carried as a wheel)",
-    "CUDA graphs per batch-size bucket (draft, verify, plain decode)",
-    "transformers generate() as the peer (goal >= 10x)",
-    "bf16 greedy spec == plain greedy token for token (K = 1..4), logits bitwise alone vs batched",
-]
-
 
 @dataclass(frozen=True)
 class Dims:
@@ -127,17 +121,7 @@ class Ctx:
         """Median of `iters` CUDA-event timings after 3 warm-up calls (None when not timing)."""
         if not self.timing:
             return None
-        for _ in range(3):
-            fn()
-        times = []
-        for _ in range(iters):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) * 1e3)
-        return statistics.median(times)
+        return cuda_ms(fn, iters) * 1e3
 
     @property
     def tol(self) -> float:
@@ -207,6 +191,20 @@ def check_grouped(c: Ctx, md: MoeDims, ops) -> list[Row]:
         t_t = c.time_us(lambda: mm.grouped_matmul_ref(x, w, offsets, rows_))
         rows.append(Row(f"grouped matmul gate_up tokens={T}", f"{md.name} E={md.E} k={md.topk}", str(c.dtype)[6:],
                         err, c.tol, inv, t_k, t_t, "per-expert F.linear"))
+    # the combine of the last T: expert outputs (sorted rows) weighted and summed per token in slot order
+    ac = ops.act
+    inv_ = torch.empty_like(order)
+    inv_[order] = torch.arange(order.numel(), device=c.device)
+    yd = c.randn(T * md.topk, md.H)
+    wts = torch.softmax(c.randn(T, md.topk, dtype=torch.float32), -1).to(c.dtype)
+    sh, sg = c.randn(T, md.H), c.randn(T, 1)
+    out = ac.moe_combine(yd, inv_, wts, sh, sg)
+    r4 = inv_.view(T, md.topk)[4]
+    one = ac.moe_combine(yd[r4], torch.arange(md.topk, device=c.device), wts[4:5], sh[4:5], sg[4:5])
+    rows.append(Row(f"moe_combine tokens={T}", f"{md.name} k={md.topk}", str(c.dtype)[6:],
+                    rel_err(out, ac.moe_combine_ref(yd, inv_, wts, sh, sg)), c.tol, same(one[0], out[4]),
+                    c.time_us(lambda: ac.moe_combine(yd, inv_, wts, sh, sg)),
+                    c.time_us(lambda: ac.moe_combine_ref(yd, inv_, wts, sh, sg)), "gather + weighted sum"))
     return rows
 
 
@@ -301,6 +299,29 @@ def check_gdn(c: Ctx, d: Dims, ops) -> list[Row]:
     return rows
 
 
+def check_act(c: Ctx, d: Dims, ops) -> list[Row]:
+    """SwiGLU (MLP activation) and the GDN gates: kernel vs twin, a row alone vs among M rows."""
+    ac = ops.act
+    M = BATCH * W
+    gu = c.randn(M, 2 * d.I, scale=2.0)
+    y = ac.silu_mul(gu)
+    rows = [Row(f"silu_mul rows={M}", f"{d.name} I={d.I}", str(c.dtype)[6:], rel_err(y, ac.silu_mul_ref(gu)), c.tol,
+                same(ac.silu_mul(gu[3:4])[0], y[3]), c.time_us(lambda: ac.silu_mul(gu)),
+                c.time_us(lambda: ac.silu_mul_ref(gu)), "F.silu(gate) * up")]
+    ab = c.randn(M, 2 * d.nv, scale=3.0)
+    a, b = ab[:, :d.nv], ab[:, d.nv:]
+    neg_a = -torch.rand(d.nv, generator=c.g).to(c.device).exp()
+    dtb = c.randn(d.nv, dtype=torch.float32)
+    gk, bk = ac.gdn_gates(a, b, neg_a, dtb)
+    gr, br = ac.gdn_gates_ref(a, b, neg_a, dtb)
+    g1, b1 = ac.gdn_gates(a[5:6], b[5:6], neg_a, dtb)
+    rows.append(Row(f"gdn_gates rows={M}", f"{d.name} nv={d.nv}", str(c.dtype)[6:],
+                    max(rel_err(gk, gr), rel_err(bk, br)), c.tol, same(g1[0], gk[5]) and same(b1[0], bk[5]),
+                    c.time_us(lambda: ac.gdn_gates(a, b, neg_a, dtb)),
+                    c.time_us(lambda: ac.gdn_gates_ref(a, b, neg_a, dtb)), "softplus / sigmoid"))
+    return rows
+
+
 def check_norms(c: Ctx, d: Dims, ops) -> list[Row]:
     nm = ops.norm
     rows = []
@@ -363,27 +384,22 @@ def copy_bandwidth_gbps(device: str) -> float:
     return 2 * n * 2 / us / 1e3
 
 
-def model_steps(c: Ctx, d: Dims) -> list[Row]:
-    """TODO (phase 2): whole-model rows (decode / verify / MTP draft / prefill at batch 1 and 8, CUDA graphs,
-    transformers peer, bf16 spec == plain). Needs the batched runtime and the ops wired into qwen35.py."""
-    return []
-
-
 def run_checks(c: Ctx, dims: list[Dims], moe: MoeDims, sampling: bool = True) -> list[Row]:
-    from engine.model.ops import attention, gdn_update, matmul, norm, sample
+    from engine.model.ops import act, attention, gdn_update, matmul, norm, sample
 
     class Ops:  # the kernel modules, imported after TRITON_INTERPRET is settled
         pass
 
     ops = Ops()
     ops.matmul, ops.attention, ops.gdn_update, ops.norm, ops.sample = matmul, attention, gdn_update, norm, sample
+    ops.act = act
     rows = []
     for d in dims:
-        for fn in (check_matmul, check_attention, check_gdn, check_norms) + ((check_sampling,) if sampling else ()):
+        for fn in (check_matmul, check_attention, check_gdn, check_act, check_norms) + (
+                (check_sampling,) if sampling else ()):
             rows += fn(c, d, ops)
             if c.device == "cuda":
                 torch.cuda.empty_cache()
-        rows += model_steps(c, d)
     rows += check_grouped(c, moe, ops)
     return rows
 
@@ -407,11 +423,24 @@ def print_table(rows: list[Row], timing: bool) -> None:
         print(line)
 
 
+def write_json(path: Path, rows: list[Row], steps: list, checks: list) -> None:
+    path.write_text(json.dumps({"kernels": [r.__dict__ | {"ok": r.ok} for r in rows],
+                                "steps": [s_.__dict__ for s_ in steps],
+                                "checks": [c_.__dict__ for c_ in checks]}, indent=1, default=str))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, checks only (CPU: TRITON_INTERPRET=1)")
     ap.add_argument("--json", type=Path, help="also write the rows as JSON")
+    ap.add_argument("--sections", default="kernels,models", help="comma list of: kernels, models")
+    ap.add_argument("--budget-s", type=float, default=390.0,
+                    help="start no model section (nor a model's end-to-end part) with under 60 s (resp. 0 s) of "
+                         "this budget left (default 390: the whole run fits in 8 minutes)")
     args = ap.parse_args()
+    t_start = time.monotonic()
+    deadline = t_start + (float("inf") if args.smoke else args.budget_s)
+    sections = set(args.sections.split(","))
     cuda = torch.cuda.is_available()
     if not cuda:
         if not args.smoke:
@@ -423,13 +452,19 @@ def main() -> int:
     if not HAS_TRITON:
         print("triton is not installed (pip install triton)", file=sys.stderr)
         return 2
+    import gpu_model as gm
+
     device = "cuda" if cuda else "cpu"
     rows: list[Row] = []
+    steps: list = []
+    checks: list = []
+    bw = None
     if args.smoke:
-        for dt in (torch.float32, torch.bfloat16):
-            rows += run_checks(Ctx(device, dt, timing=False), [TINY], TINY_MOE, sampling=dt == torch.float32)
         print(f"# bench/gpu.py --smoke on {device}" + ("" if cuda else " (TRITON_INTERPRET=1)"))
-        print_table(rows, timing=False)
+        if "kernels" in sections:
+            for dt in (torch.float32, torch.bfloat16):
+                rows += run_checks(Ctx(device, dt, timing=False), [TINY], TINY_MOE, sampling=dt == torch.float32)
+            print_table(rows, timing=False)
     else:
         import triton
 
@@ -437,18 +472,49 @@ def main() -> int:
         bw = copy_bandwidth_gbps(device)
         print(f"# bench/gpu.py on {name}: torch {torch.__version__}, triton {triton.__version__}")
         print(f"copy bandwidth (read + write): {bw:.0f} GB/s")
-        for d in QWEN:
-            wb = d.weight_bytes()
-            print(f"{d.name}: decode-step weight bytes {wb / 1e9:.2f} GB -> HBM floor {wb / bw / 1e3:.2f} ms/step")
-        rows = run_checks(Ctx(device, torch.bfloat16, timing=True), QWEN, QWEN_MOE)
-        print_table(rows, timing=True)
-        print("\nTODO (phase 2):")
-        for t in PHASE2_TODO:
-            print(f"- {t}")
+        if "kernels" in sections:
+            try:
+                rows = run_checks(Ctx(device, torch.bfloat16, timing=True), QWEN, QWEN_MOE)
+            except Exception as e:  # noqa: BLE001 - the model rows still run
+                import traceback
+
+                traceback.print_exc()
+                rows = [Row(f"kernel section: {type(e).__name__}: {e}", "-", "-", float("inf"), 0.0, None)]
+                torch.cuda.empty_cache()
+            print_table(rows, timing=True)
+            print(f"\n(kernel section: {time.monotonic() - t_start:.0f} s)", flush=True)
+            if args.json:
+                write_json(args.json, rows, steps, checks)
+    if "models" in sections:
+        for spec in gm.specs(args.smoke):
+            left = deadline - time.monotonic()
+            if left < 60 and not args.smoke:
+                checks.append(gm.Check(spec.name, "model section", None, f"skipped: {left:.0f} s of budget left"))
+                continue
+            t0 = time.monotonic()
+            try:
+                st, ch = gm.model_rows(spec, device, bw, deadline)
+            except Exception as e:  # noqa: BLE001 - one model's failure must not hide the others' rows
+                import traceback
+
+                traceback.print_exc()
+                st, ch = [], [gm.Check(spec.name, "model section", False, f"{type(e).__name__}: {e}")]
+                if cuda:
+                    torch.cuda.empty_cache()
+            steps += st
+            checks += ch
+            print(f"\n# {spec.name} ({time.monotonic() - t0:.0f} s)")
+            gm.print_model_tables(st, ch)  # as soon as it is known: a run cut short keeps what it measured
+            if args.json:
+                write_json(args.json, rows, steps, checks)
+            sys.stdout.flush()
     if args.json:
-        args.json.write_text(json.dumps([r.__dict__ | {"ok": r.ok} for r in rows], indent=1))
-    bad = [r for r in rows if not r.ok]
-    print(f"\n{len(rows) - len(bad)}/{len(rows)} PASS" + ("" if not bad else ": FAIL " + ", ".join(r.kernel for r in bad)))
+        write_json(args.json, rows, steps, checks)
+    bad = [r.kernel for r in rows if not r.ok] + [f"{c_.model}: {c_.check}" for c_ in checks if c_.ok is False]
+    n = len(rows) + sum(c_.ok is not None for c_ in checks)
+    skipped = sum(c_.ok is None for c_ in checks)
+    print(f"\n{n - len(bad)}/{n} checks PASS" + (f", {skipped} skipped" if skipped else "")
+          + ("" if not bad else ": FAIL " + "; ".join(bad)) + f" ({time.monotonic() - t_start:.0f} s)")
     return 1 if bad else 0
 
 

@@ -27,6 +27,7 @@ graph's outputs and a later graph's intermediates is harmless.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -35,6 +36,8 @@ import torch
 from .cache import StatePool
 from .model.ops import dispatch as ops
 from .model.qwen35 import FwdCtx, Qwen35ForCausalLM, rope_table
+
+log = logging.getLogger(__name__)
 
 Verify = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # pre, post [N, T, H]; logits [N, T, V] fp32
 Draft = tuple[torch.Tensor, torch.Tensor]  # head hidden [A, 1, H]; logits [A, V] fp32
@@ -221,8 +224,14 @@ class GraphRunner:
         if st.graph is None:
             out = body(st)  # this call's work, eagerly (compiles the kernels before the capture)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
-                st.out = body(st)
+            try:
+                with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
+                    st.out = body(st)
+            except Exception as e:  # noqa: BLE001 - serve eagerly rather than fail every request
+                self.capture = False
+                log.warning("CUDA graph capture of %s failed (%s: %s); the round runs eagerly from now on",
+                            "x".join(map(str, st.tokens.shape)), type(e).__name__, e)
+                return out
             st.graph = graph
             return out
         st.graph.replay()

@@ -66,7 +66,9 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk
         device = model.lm_head.weight.device
         capacity = pool_capacity(max_model_len, self.k)
-        need = sum(pool_bytes(cfg, max_num_seqs, capacity, self.k + 1, cfg.dtype, self.k > 0).values())
+        #: bytes the pool reserves, by part ("kv", "gdn", "mtp")
+        self.reserved = pool_bytes(cfg, max_num_seqs, capacity, self.k + 1, cfg.dtype, self.k > 0)
+        need = sum(self.reserved.values())
         avail = free_memory(device)
         if need > POOL_MEMORY_FRACTION * avail:
             raise PoolTooLarge(
@@ -74,6 +76,14 @@ class Scheduler:
                 f"needs {need / 2**30:.2f} GiB but {avail / 2**30:.2f} GiB is free on {device}: lower --max-num-seqs "
                 f"or --max-model-len")
         self.pool = StatePool(cfg, max_num_seqs, capacity, self.k + 1, device, cfg.dtype, mtp=self.k > 0)
+
+    def describe(self) -> str:
+        """One line: what the state pool reserved."""
+        mib = {k: v / 2**20 for k, v in self.reserved.items()}
+        p = self.pool
+        return (f"state pool: {p.slots} slots x {p.capacity} positions, {p.window} GDN state slots each: "
+                f"KV {mib['kv']:.1f} MiB, GDN {mib['gdn']:.1f} MiB, MTP {mib['mtp']:.1f} MiB "
+                f"({sum(mib.values()):.1f} MiB on {p.device})")
         self.running: list[SpecSession] = []
         self.joining: collections.deque[SpecSession] = collections.deque()
 

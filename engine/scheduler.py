@@ -76,6 +76,8 @@ class Scheduler:
                 f"needs {need / 2**30:.2f} GiB but {avail / 2**30:.2f} GiB is free on {device}: lower --max-num-seqs "
                 f"or --max-model-len")
         self.pool = StatePool(cfg, max_num_seqs, capacity, self.k + 1, device, cfg.dtype, mtp=self.k > 0)
+        self.running: list[SpecSession] = []
+        self.joining: collections.deque[SpecSession] = collections.deque()
 
     def describe(self) -> str:
         """One line: what the state pool reserved."""
@@ -84,8 +86,6 @@ class Scheduler:
         return (f"state pool: {p.slots} slots x {p.capacity} positions, {p.window} GDN state slots each: "
                 f"KV {mib['kv']:.1f} MiB, GDN {mib['gdn']:.1f} MiB, MTP {mib['mtp']:.1f} MiB "
                 f"({sum(mib.values()):.1f} MiB on {p.device})")
-        self.running: list[SpecSession] = []
-        self.joining: collections.deque[SpecSession] = collections.deque()
 
     @property
     def has_room(self) -> bool:

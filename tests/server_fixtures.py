@@ -112,3 +112,16 @@ class ServerThread:
                 if all(f'{k}="{v}"' in line for k, v in labels.items()):
                     return float(line.rsplit(" ", 1)[1])
         return 0.0
+
+
+def gated_sessions(gate: threading.Event) -> type:
+    """A SpecSession class whose prefill waits for `gate`: it holds the worker (one session active, the rest
+    queued) until the test opens the gate."""
+    from engine.spec import SpecSession
+
+    class GatedSession(SpecSession):
+        def prefill_chunk(self, budget: int) -> int:
+            gate.wait(30)
+            return super().prefill_chunk(budget)
+
+    return GatedSession

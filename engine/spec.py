@@ -27,6 +27,7 @@ import torch
 
 from .cache import ModelCache, MtpScratch, StatePool
 from .model.qwen35 import FwdCtx, Qwen35ForCausalLM
+from .optipipe import optipipe_round
 from .sampling import PenaltyState, SpecSampling, probs_from_logits, sample
 
 __all__ = [
@@ -635,6 +636,7 @@ def spec_round(model: Qwen35ForCausalLM, rows: list[SpecSession]) -> None:
     """One speculative round for every session in `rows` (all started, unfinished, in one pool): draft, one
     verify forward of N x T tokens, acceptance on the device, ONE host copy, then each row's commit."""
     ks = [r.k_round() for r in rows]
+    fork = optipipe_round(rows, ks)  # OPTIPIPE research door (engine/optipipe.py): None unless armed
     drafts, qs = _draft(model, rows, ks)  # [N, K]
     N, T = len(rows), max(ks) + 1
     tokens = torch.cat([torch.tensor([[r.pending] for r in rows], device=drafts.device), drafts.clamp_min(0)], 1)
@@ -653,6 +655,8 @@ def spec_round(model: Qwen35ForCausalLM, rows: list[SpecSession]) -> None:
             if len(rows) == 1:
                 raise
             r.fail(e)
+    if fork is not None:  # OPTIPIPE: shadow check and resolution; never changes a token or the committed state
+        fork.resolve(model, drafts, host)
 
 
 def generate_spec(model: Qwen35ForCausalLM, prompt_ids: list[int], max_new_tokens: int, k: int = 3,

@@ -56,6 +56,14 @@ def wait_until(predicate: Any, timeout: float = 10.0, interval: float = 0.02) ->
     return bool(predicate())
 
 
+def http_ready(base: str) -> bool:
+    """`GET base/ready` answers 200 (False while nothing listens yet)."""
+    try:
+        return httpx.get(base + "/ready", timeout=1).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
 class ServerThread:
     """A real nextn server (uvicorn + worker) on 127.0.0.1 in a background thread; a context manager.
 

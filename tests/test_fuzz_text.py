@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import assume, given
+from hypothesis import assume, example, given
 from hypothesis import strategies as st
 from tokenizers import normalizers, pre_tokenizers
 
@@ -191,6 +191,7 @@ def _stream(tok: Tokenizer, ids: list[int], sizes: list[int], skip: bool, prompt
 @fuzz_settings(300)
 @given(IDS, st.lists(st.integers(1, 5), max_size=40), st.booleans(),
        st.lists(st.integers(0, VOCAB - 1), max_size=8))
+@example(ids=[BYTE_IDS[0xAD]], sizes=[], skip=False, prompt=[BYTE_IDS[0xE4], BYTE_IDS[0xB8]])  # prompt ends mid-char
 def test_detokenizer_any_ids_equals_decode(ids: list[int], sizes: list[int], skip: bool, prompt: list[int]) -> None:
     tok = CountingTokenizer()
     chunks = _stream(tok, ids, sizes, skip, prompt)

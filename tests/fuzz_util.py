@@ -21,4 +21,4 @@ def fuzz_settings(ci_examples: int, weight: float = 1.0) -> settings:
     return settings(max_examples=max(1, int(LONG_EXAMPLES * weight)) if long_form else ci_examples,
                     derandomize=not long_form, deadline=None, database=None, print_blob=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                           HealthCheck.function_scoped_fixture])
+                                           HealthCheck.large_base_example, HealthCheck.function_scoped_fixture])

@@ -53,7 +53,9 @@ def server() -> Iterator[ServerThread]:
 
 @pytest.fixture(scope="module")
 def api(server: ServerThread) -> Any:
-    return schemathesis.openapi.from_url(server.url + "/openapi.json")
+    schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
+    schema.config.max_stream_events = 10_000  # read whole streams (schemathesis stops after 20 events by default)
+    return schema
 
 
 def sse_validator(doc: dict[str, Any], path: str) -> jsonschema.Draft202012Validator:
@@ -65,6 +67,7 @@ def sse_validator(doc: dict[str, Any], path: str) -> jsonschema.Draft202012Valid
 
 def check_events(response: Any, validator: jsonschema.Draft202012Validator) -> None:
     """Every event of a stream is `data: <JSON the schema documents>`, and the last is `data: [DONE]`."""
+    assert not response.stream_cut_short
     events = [e for e in response.text.split("\n\n") if e]
     assert events and events[-1] == "data: [DONE]", events[-1:]
     for e in events[:-1]:

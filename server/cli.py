@@ -147,6 +147,7 @@ def build_server(settings: ServeSettings, model: Any, tokenizer: Any, **worker_k
     from metrics.prometheus import ServingMetrics
     from server.app import build_app
     from server.serving import ServingChat, ServingCompletion
+    from server.structured import StructuredOutputs
     from server.worker import Worker
 
     assert settings.served_model_name is not None and settings.max_model_len is not None, "resolve settings first"
@@ -160,7 +161,11 @@ def build_server(settings: ServeSettings, model: Any, tokenizer: Any, **worker_k
                     **worker_kw)
     common: dict[str, Any] = dict(tokenizer=tokenizer, worker=worker, model_name=settings.served_model_name,
                                   max_model_len=settings.max_model_len, vocab_size=model.config.vocab_size, k=k)
-    chat = ServingChat(special_tokens_in_content=settings.allow_special_tokens_in_content, **common)
+    structured = StructuredOutputs(tokenizer, n_vocab=model.config.vocab_size, metrics=metrics,
+                                   max_bytes=settings.grammar_max_bytes, timeout_s=settings.grammar_compile_timeout,
+                                   cache_size=settings.grammar_cache_size)
+    chat = ServingChat(special_tokens_in_content=settings.allow_special_tokens_in_content, structured=structured,
+                       **common)
     api_key = settings.api_key.get_secret_value() if settings.api_key is not None else None
     app = build_app(serving_chat=chat, serving_completion=ServingCompletion(**common), worker=worker,
                     metrics=metrics, model_root=str(settings.model_dir), api_key=api_key,
@@ -169,6 +174,7 @@ def build_server(settings: ServeSettings, model: Any, tokenizer: Any, **worker_k
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, log_level=settings.log_level,
                             http=protocol, timeout_keep_alive=settings.timeout_keep_alive)
     worker.start()
+    structured.start()  # the grammar tokenizer is built in the background (seconds at the real vocabulary)
     return NextnServer(config, worker, settings, dtype=str(model.config.dtype).removeprefix("torch."))
 
 

@@ -76,12 +76,24 @@ class ServeSettings(BaseModel):
     timeout_keep_alive: float = Field(5.0, gt=0, description="seconds an idle keep-alive connection stays open")
     max_connections: int = Field(
         512, ge=1, description="open HTTP connections; a connection beyond it is closed at once")
+    # --- structured outputs (grammar/): bounds on what one request's grammar may cost ---
+    grammar_max_bytes: int = Field(
+        256 * 1024, ge=1, description="largest grammar source (JSON schema, regex, lark, choices, tools) in bytes; "
+                                      "larger ones get 400")
+    grammar_compile_timeout: float = Field(
+        10.0, gt=0, description="seconds a grammar may take to compile; slower ones get 400")
+    grammar_cache_size: int = Field(256, ge=1, description="compiled grammars kept (LRU)")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available, else cpu")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="auto = float32 on cpu, the checkpoint's dtype on cuda")
     metrics_compat: Literal["none", "vllm"] = Field(
         "none", description="vllm = also expose vLLM's `vllm:` metric names on /metrics")
     log_level: Literal["debug", "info", "warning", "error", "critical"] = Field("info", description="log level")
+    # research door (README "Research"): read once at process start; no request field, header or route reaches it
+    research_opti_controller_q: float | None = Field(
+        None, ge=0.0, le=1.0, allow_inf_nan=False,
+        description="research door, diagnostic only (measured NO-GO): arm the OPTIPIPE increment-2 controller "
+                    "with threshold Q on p(d1)*p(d2), a finite number in [0, 1] (default: absent = off)")
 
     @field_validator("device", "dtype", "metrics_compat", "log_level", mode="before")
     @classmethod

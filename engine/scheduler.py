@@ -77,7 +77,9 @@ class Scheduler:
         graphs = ops.use_triton(model.lm_head.weight) if step_graphs is None else step_graphs
         self.buckets = graph_buckets(max_num_seqs) if graphs else []
         n_scratch = padding_rows(self.buckets)
-        need = sum(pool_bytes(cfg, max_num_seqs + n_scratch, capacity, self.k + 1, cfg.dtype, self.k > 0).values())
+        #: bytes the pool reserves, by part ("kv", "gdn", "mtp"), scratch rows for graph padding included
+        self.reserved = pool_bytes(cfg, max_num_seqs + n_scratch, capacity, self.k + 1, cfg.dtype, self.k > 0)
+        need = sum(self.reserved.values())
         avail = free_memory(device)
         if need > POOL_MEMORY_FRACTION * avail:
             raise PoolTooLarge(
@@ -89,6 +91,14 @@ class Scheduler:
         self.runner: StepRunner = GraphRunner(model, self.pool, self.buckets, scratch) if graphs else EAGER
         self.running: list[SpecSession] = []
         self.joining: collections.deque[SpecSession] = collections.deque()
+
+    def describe(self) -> str:
+        """One line: what the state pool reserved."""
+        mib = {k: v / 2**20 for k, v in self.reserved.items()}
+        p = self.pool
+        return (f"state pool: {p.slots} slots x {p.capacity} positions, {p.window} GDN state slots each: "
+                f"KV {mib['kv']:.1f} MiB, GDN {mib['gdn']:.1f} MiB, MTP {mib['mtp']:.1f} MiB "
+                f"({sum(mib.values()):.1f} MiB on {p.device})")
 
     @property
     def has_room(self) -> bool:

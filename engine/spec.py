@@ -29,6 +29,7 @@ from .cache import ModelCache, MtpScratch, StatePool
 from .graphs import EAGER, StepRunner
 from .model.ops import dispatch as ops
 from .model.qwen35 import FwdCtx, Qwen35ForCausalLM
+from .optipipe import optipipe_round
 from .sampling import PenaltyState, SpecSampling, probs_from_logits, sample
 
 __all__ = [
@@ -635,6 +636,7 @@ def spec_round(model: Qwen35ForCausalLM, rows: list[SpecSession], runner: StepRu
     verify forward of N x T tokens, acceptance on the device, ONE host copy, then each row's commit.
     `runner` runs the forwards (engine/graphs.py: eagerly, or the scheduler's CUDA graphs)."""
     ks = [r.k_round() for r in rows]
+    fork = optipipe_round(rows, ks)  # OPTIPIPE research door (engine/optipipe.py): None unless armed
     drafts, qs = _draft(model, rows, ks, runner)  # [N, K]
     tokens = torch.cat([torch.tensor([[r.pending] for r in rows], device=drafts.device), drafts.clamp_min(0)], 1)
     pre, post, logits = runner.verify(model, rows[0].pool, tokens, [r.slot for r in rows],
@@ -649,6 +651,8 @@ def spec_round(model: Qwen35ForCausalLM, rows: list[SpecSession], runner: StepRu
             if len(rows) == 1:
                 raise
             r.fail(e)
+    if fork is not None:  # OPTIPIPE: shadow check and resolution; never changes a token or the committed state
+        fork.resolve(model, drafts, host)
 
 
 def generate_spec(model: Qwen35ForCausalLM, prompt_ids: list[int], max_new_tokens: int, k: int = 3,

@@ -16,6 +16,7 @@ The cache keeps one pristine compiled matcher per (tokenizer, kind, source text)
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import json
 import threading
@@ -215,6 +216,21 @@ class GuidanceTokenizer:
     think_end_id: int | None  # the `</think>` token, if the vocabulary has it
     newline_ids: frozenset[int]  # tokens that are "\n" * n (the chat template's `</think>\n\n` separator)
     key: str  # identity for cache keys: hash of tokenizer.json, n_vocab, eos ids
+    special_ids: frozenset[int] = frozenset()  # added tokens other than EOS: special to llguidance (`<[id]>`)
+
+    @functools.cached_property
+    def _plain_ids(self) -> dict[bytes, int]:
+        """bytes -> id of every ordinary (not special) token; built on first use (a pass over the vocabulary)."""
+        out: dict[bytes, int] = {}
+        for t in range(self.llt.vocab_size):
+            if not self.llt.is_special_token(t):
+                out.setdefault(self.llt.decode_bytes([t]), t)
+        return out
+
+    def plain_prefix_tokens(self, data: bytes, limit: int = 64) -> list[int]:
+        """Ordinary tokens whose bytes are a prefix of `data` (at most `limit` bytes long)."""
+        ids = self._plain_ids
+        return [t for n in range(1, min(len(data), limit) + 1) if (t := ids.get(data[:n])) is not None]
 
     @classmethod
     def from_json(cls, tokenizer_json: str, *, n_vocab: int, eos_ids: list[int] | tuple[int, ...]) -> GuidanceTokenizer:
@@ -231,8 +247,11 @@ class GuidanceTokenizer:
                 newlines.add(ids[0])
         h = hashlib.sha256(tokenizer_json.encode())
         h.update(json.dumps([n_vocab, sorted(eos_ids)]).encode())
+        added = json.loads(tokenizer_json).get("added_tokens") or []
+        special = frozenset(a["id"] for a in added if isinstance(a.get("id"), int) and a["id"] < n_vocab
+                            and llt.is_special_token(a["id"])) - set(eos_ids)
         return cls(llt, n_vocab, frozenset(eos_ids), think[0] if len(think) == 1 else None, frozenset(newlines),
-                   h.hexdigest()[:16])
+                   h.hexdigest()[:16], special)
 
     @classmethod
     def from_tokenizer(cls, tok: Any, *, n_vocab: int) -> GuidanceTokenizer:

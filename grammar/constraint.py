@@ -24,27 +24,14 @@ are allowed (the template's `</think>\\n\\n`), then the grammar. EOS is allowed 
 accepts; once the grammar is complete (no continuation) only EOS is allowed, so the choice ends "stop".
 After EOS only EOS stays allowed (harmless under ignore_eos).
 
-Proposed engine hook (verify-mask). Today's engine accepts a draft only when it equals the UNMASKED argmax of
-its verify column, so under a grammar acceptance stops wherever the model's raw favourite is illegal (the
-output stays exact: the bonus is replaced by the masked argmax). Masking the verify columns first, as vLLM
-does with K+1 bitmasks, lets acceptance follow the masked argmax. In `SpecSession._spec_round`, greedy path:
-
-    vl = logits  # logprobs keep reading the raw rows
-    if cons is not None and hasattr(cons, "window_mask"):
-        vl = logits.masked_fill(~cons.window_mask(len(drafts) + 1, logits.device), float("-inf"))
-    n_acc, bonus = self._accept_greedy(vl, drafts)
-
-Exact: column j's masked argmax is what constrained plain greedy picks after the same prefix (penalties
-leave -inf entries at -inf, so their order does not matter); `_apply_constraint` then never cuts.
-`window_mask` reuses the masks computed while drafting: one extra mask per round.
-
-Proposed engine hook (draft-mask). Today a draft the grammar forbids ends the chain, although a trained
-drafter's runner-up is often the legal continuation. In `SpecSession._draft`, before choosing d_j:
-
-    if cons is not None and hasattr(cons, "draft_mask_logits"):
-        row = cons.draft_mask_logits(row)
-
-Drafts never affect exactness; this only raises acceptance (bench/grammar_mask.py measures both hooks).
+Engine hooks (engine/spec.py calls both inside the batched round when the constraint has them):
+- verify-mask: `window_mask(n, device)` masks the verify columns (K+1 bitmasks, as vLLM does), so greedy
+  acceptance follows each column's masked argmax, which is what constrained plain greedy picks after the same
+  prefix (penalties leave -inf entries at -inf); `_apply_constraint` then never cuts. It reuses the masks
+  computed while drafting: one extra mask per round.
+- draft-mask: `draft_mask_logits(row)` masks the drafter's logits by the state the drafts so far reach, so a
+  trained drafter's legal runner-up is proposed instead of ending the chain. Drafts never affect exactness.
+bench/grammar_mask.py measures both (they pay only together).
 """
 from __future__ import annotations
 
@@ -98,8 +85,24 @@ class GuidanceConstraint:
                 if self._m.is_error():
                     raise ConstraintError(f"llguidance mask failed: {self._m.get_error()}")
                 bits = self._fill[0].view(np.uint32).copy()
+                self._fix_special_bits(bits)
             self._gbits = bits
         return self._gbits
+
+    def _fix_special_bits(self, bits: np.ndarray) -> None:
+        """Where a grammar forces the TEXT of an added token (a regex or schema spelling `<tool_call>`), llguidance's
+        mask offers the added token itself (it tokenizes the forced bytes with the added tokens), but the matcher
+        then refuses it: added tokens are special to llguidance. Clear such bits and allow, instead, the ordinary
+        tokens that start the forced bytes and that the matcher takes. Costs one bit test per added token."""
+        tok = self.grammar.tokenizer
+        bad = [t for t in tok.special_ids if self._bit(bits, t) and self._m.validate_tokens([t]) != 1]
+        if not bad:
+            return
+        for t in bad:
+            bits[t >> 5] &= ~np.uint32(1 << (t & 31))
+        for t in tok.plain_prefix_tokens(bytes(self._m.compute_ff_bytes())):
+            if self._m.validate_tokens([t]) == 1:
+                bits[t >> 5] |= np.uint32(1 << (t & 31))
 
     @staticmethod
     def _bit(bits: np.ndarray, tok: int) -> bool:
@@ -203,8 +206,8 @@ class GuidanceConstraint:
         return row.masked_fill(~self.allowed_mask(row.device), float("-inf"))
 
     def draft_mask_logits(self, row: torch.Tensor) -> torch.Tensor:
-        """`row` ([..., V]) masked by the state the drafts so far reach, without settling: for the proposed
-        draft-side engine hook (module docstring), so the drafter proposes grammar-legal tokens."""
+        """`row` ([..., V]) masked by the state the drafts so far reach, without settling: the engine's draft-mask
+        hook (module docstring), so the drafter proposes grammar-legal tokens."""
         if not self._drafting:
             self.draft_begin()
         if self._st[0] == _THINK:
@@ -220,8 +223,7 @@ class GuidanceConstraint:
 
     def window_mask(self, n_rows: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """bool [n_rows, V]: row j = tokens allowed after the first j drafts of the current window (call after
-        drafting, before the verify walk; n_rows <= drafts + 1). For the proposed verify-mask engine hook (module
-        docstring)."""
+        drafting, before the verify walk; n_rows <= drafts + 1). The engine's verify-mask hook (module docstring)."""
         if self._cursor:
             raise RuntimeError("window_mask must be called before the verify walk")
         recs = self._drafts

@@ -19,7 +19,7 @@ import logging
 import signal
 import sys
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -147,19 +147,25 @@ def build_server(settings: ServeSettings, model: Any, tokenizer: Any, **worker_k
     from metrics.prometheus import ServingMetrics
     from server.app import build_app
     from server.serving import ServingChat, ServingCompletion
+    from server.structured import StructuredOutputs
     from server.worker import Worker
 
     assert settings.served_model_name is not None and settings.max_model_len is not None, "resolve settings first"
     k = settings.num_speculative_tokens
     metrics = ServingMetrics(settings.served_model_name, num_spec_tokens=k,
-                             compat_vllm=settings.metrics_compat == "vllm")
+                             compat_vllm=settings.metrics_compat == "vllm",
+                             optipipe_stats=arm_research_door(settings.research_opti_controller_q, k))
     worker = Worker(model, metrics, k=k, p_min=settings.spec_draft_p_min, capmax=settings.spec_capmax,
                     max_num_seqs=settings.max_num_seqs, max_queue=settings.max_queue,
                     max_model_len=settings.max_model_len, max_num_batched_tokens=settings.max_num_batched_tokens,
                     **worker_kw)
     common: dict[str, Any] = dict(tokenizer=tokenizer, worker=worker, model_name=settings.served_model_name,
                                   max_model_len=settings.max_model_len, vocab_size=model.config.vocab_size, k=k)
-    chat = ServingChat(special_tokens_in_content=settings.allow_special_tokens_in_content, **common)
+    structured = StructuredOutputs(tokenizer, n_vocab=model.config.vocab_size, metrics=metrics,
+                                   max_bytes=settings.grammar_max_bytes, timeout_s=settings.grammar_compile_timeout,
+                                   cache_size=settings.grammar_cache_size)
+    chat = ServingChat(special_tokens_in_content=settings.allow_special_tokens_in_content, structured=structured,
+                       **common)
     api_key = settings.api_key.get_secret_value() if settings.api_key is not None else None
     app = build_app(serving_chat=chat, serving_completion=ServingCompletion(**common), worker=worker,
                     metrics=metrics, model_root=str(settings.model_dir), api_key=api_key,
@@ -168,7 +174,22 @@ def build_server(settings: ServeSettings, model: Any, tokenizer: Any, **worker_k
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, log_level=settings.log_level,
                             http=protocol, timeout_keep_alive=settings.timeout_keep_alive)
     worker.start()
+    structured.start()  # the grammar tokenizer is built in the background (seconds at the real vocabulary)
     return NextnServer(config, worker, settings, dtype=str(model.config.dtype).removeprefix("torch."))
+
+
+def arm_research_door(q: float | None, k: int) -> Callable[[], Any] | None:
+    """The OPTIPIPE research door (README "Research"), from the settings read once at process start: with a
+    threshold, arm the increment-2 controller, log one line and return the counters' source for the /metrics
+    `optipipe` block; without one (the default) do nothing at all and return None."""
+    if q is None:
+        return None
+    from engine.optipipe import optipipe_gate_stats, set_optipipe_controller_threshold
+
+    set_optipipe_controller_threshold(q)
+    log.warning("research door armed: OPTIPIPE opti controller q=%g (diagnostic only, measured NO-GO)%s", q,
+                "" if k == 1 else f"; K={k}, so every row is refused (OptiFork forks K = 1 greedy rows)")
+    return optipipe_gate_stats
 
 
 def run_server(settings: ServeSettings, model: Any, tokenizer: Any) -> int:

@@ -173,15 +173,22 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     max_completion_tokens: int | None = None
     max_tokens: int | None = Field(None, description="deprecated alias of max_completion_tokens")
-    parallel_tool_calls: bool | None = None
-    response_format: ResponseFormat | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one tool call per choice")
+    response_format: ResponseFormat | None = Field(
+        None, description="text, json_object, or json_schema {name, schema, strict}: the output is constrained to it")
+    tool_choice: str | dict[str, Any] | None = Field(
+        None, description='"none", "auto" (default with tools: calls are parsed from the output), "required" or '
+                          '{"type": "function", "function": {"name": ...}} (the output is constrained to calls)')
+    tools: list[dict[str, Any]] | None = Field(None, max_length=MAX_OBJECT_FIELDS,
+                                               description="function tools (rendered into the prompt)")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     # --- nextn extras ---
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, max_length=MAX_OBJECT_FIELDS,
         description="template switches; `enable_thinking` (bool) is passed to the chat template")
+    structured_outputs: dict[str, Any] | None = Field(
+        None, description="vLLM's constraint: exactly one of json (a schema), regex, grammar (lark), choice (a list "
+                          "of strings) or json_object (true); disable_any_whitespace, whitespace_pattern")
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -248,18 +255,36 @@ class ChatChoiceLogprobs(BaseModel):
     refusal: list[ChatTokenLogprob] | None = None
 
 
+#: Why a choice ended: a stop condition (EOS, stop string or token, a complete grammar), the token budget,
+#: or a finished tool call.
+FinishReason = Literal["stop", "length", "tool_calls"]
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = Field(description="the arguments as a JSON object text")
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
-    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+    reasoning_content: str | None = Field(
+        None, exclude_if=_omit_none, description="the text between <think> and </think> (vLLM's name)")
 
 
 class ChatCompletionChoice(BaseModel):
     index: int
     message: ChatResponseMessage
     logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: FinishReason | None
     token_ids: list[int] | None = Field(None, exclude_if=_omit_none)
 
 
@@ -274,16 +299,32 @@ class ChatCompletionResponse(BaseModel):
     prompt_token_ids: list[int] | None = Field(None, exclude_if=_omit_none)
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = Field(None, exclude_if=_omit_none)
+    arguments: str | None = Field(None, exclude_if=_omit_none)
+
+
+class DeltaToolCall(BaseModel):
+    """A tool-call fragment: the first of a call carries id, type and name; later ones argument text."""
+
+    index: int
+    id: str | None = Field(None, exclude_if=_omit_none)
+    type: Literal["function"] | None = Field(None, exclude_if=_omit_none)
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = Field(None, exclude_if=_omit_none)
     content: str | None = Field(None, exclude_if=_omit_none)
+    reasoning_content: str | None = Field(None, exclude_if=_omit_none)
+    tool_calls: list[DeltaToolCall] | None = Field(None, exclude_if=_omit_none)
 
 
 class ChatCompletionStreamChoice(BaseModel):
     index: int
     delta: DeltaMessage
     logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: FinishReason | None = None
     token_ids: list[int] | None = Field(None, exclude_if=_omit_none)
 
 

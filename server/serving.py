@@ -20,10 +20,12 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.spec import SpecTelemetry, TokenLogprob
+from engine.spec import SpecConstraint, SpecTelemetry, TokenLogprob
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from grammar import GrammarError, GrammarSource, ToolCallDelta, source_from_request
 from metrics.prometheus import ServingMetrics
 from server import protocol as p
+from server.structured import ChatOutput, OutputDelta, StructuredOutputs, grammar_error, opens_reasoning
 from server.worker import Job, JobEvent, QueueFull, Unavailable, Worker
 
 log = logging.getLogger("nextn.serving")
@@ -223,6 +225,8 @@ class _Prepared:
 
     prompt_ids: list[int]
     max_new_tokens: int
+    grammar: GrammarSource | None = None  # chat: the constraint the request asks for
+    in_reasoning: bool = False  # chat: the prompt leaves a <think> block open
 
 
 class Generation:
@@ -346,8 +350,10 @@ class OpenAIServing:
                                 f"completion).", param=param, code="context_length_exceeded")
         return _Prepared(prompt_ids, requested if requested is not None else self.max_model_len - n)
 
-    def start(self, req: p.ChatCompletionRequest | p.CompletionRequest, prep: _Prepared) -> Generation:
-        """Submit one job per choice (choice i gets seed + i). Raises `APIError` 429/503."""
+    def start(self, req: p.ChatCompletionRequest | p.CompletionRequest, prep: _Prepared,
+              constraint: Callable[[], SpecConstraint] | None = None) -> Generation:
+        """Submit one job per choice (choice i gets seed + i; `constraint()` makes each choice's own grammar
+        state). Raises `APIError` 429/503."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[JobEvent] = asyncio.Queue()
         sampling = req.to_sampling()
@@ -356,7 +362,8 @@ class OpenAIServing:
         jobs, choices = [], []
         for i in range(req.n):
             s = sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + i)
-            jobs.append(Job(i, prep.prompt_ids, prep.max_new_tokens, s, eos, req.num_logprobs, loop, events))
+            jobs.append(Job(i, prep.prompt_ids, prep.max_new_tokens, s, eos, req.num_logprobs, loop, events,
+                            constraint=constraint() if constraint is not None else None))
             choices.append(ChoiceState(i, self.tokenizer, prep.prompt_ids, stops))
         try:
             self.worker.submit(jobs)
@@ -377,32 +384,48 @@ class OpenAIServing:
 
 
 class ServingChat(OpenAIServing):
-    """POST /v1/chat/completions."""
+    """POST /v1/chat/completions: structured outputs and tool calls (`structured`), reasoning split."""
 
-    def __init__(self, *, special_tokens_in_content: bool = False, **kw: Any) -> None:
+    def __init__(self, *, special_tokens_in_content: bool = False, structured: StructuredOutputs | None = None,
+                 **kw: Any) -> None:
         """`special_tokens_in_content`: tokenize special-token text inside messages as control tokens (the
-        --allow-special-tokens-in-content setting, for trusted callers); by default it is plain text."""
+        --allow-special-tokens-in-content setting, for trusted callers); by default it is plain text.
+        `structured`: the grammar compiler (None: requests that need a grammar get 400)."""
         super().__init__(**kw)
         self.special_tokens_in_content = special_tokens_in_content
+        self.structured = structured
 
     async def create(self, req: p.ChatCompletionRequest) -> p.ChatCompletionResponse | SSEStream:
-        """Validate, submit and return the full response, or an `SSEStream` when `req.stream`.
-        Raises `APIError` for anything the client got wrong and for 429/503/500."""
+        """Validate, compile the request's grammar (off the event loop), submit, and return the full response,
+        or an `SSEStream` when `req.stream`. Raises `APIError` for anything the client got wrong and for
+        429/503/500."""
         prep = await asyncio.to_thread(self._prepare, req)
-        gen = self.start(req, prep)
+        constraint = None
+        if prep.grammar is not None:
+            if self.structured is None:
+                raise APIError(400, "structured outputs are not available on this server", param=prep.grammar.param)
+            grammar = await self.structured.compile(prep.grammar)
+            constraint = await self.structured.constraint_factory(grammar, reasoning=prep.in_reasoning)
+        gen = self.start(req, prep, constraint)
         rid = p.random_id("chatcmpl")
         if req.stream:
             return SSEStream(self._stream(req, rid, gen, prep), gen.cancel)
         return await self._full(req, rid, gen, prep)
 
     def _prepare(self, req: p.ChatCompletionRequest) -> _Prepared:
-        """Checks, chat template and tokenization (runs in a worker thread)."""
+        """Checks, the grammar source, chat template and tokenization (runs in a worker thread)."""
         self.check(req)
-        if req.tools or (req.response_format is not None and req.response_format.type != "text"):
-            raise APIError(400, "structured output (response_format json_object/json_schema, tools) is not "
-                                "available yet", param="tools" if req.tools else "response_format")
-        return self.budget(self._prompt_ids(req), req.max_new_tokens, prompt_param="messages",
+        try:
+            src = source_from_request(response_format=req.response_format, structured_outputs=req.structured_outputs,
+                                      tools=req.tools, tool_choice=req.tool_choice,
+                                      parallel_tool_calls=req.parallel_tool_calls)
+        except GrammarError as e:
+            raise grammar_error(e) from None
+        prep = self.budget(self._prompt_ids(req), req.max_new_tokens, prompt_param="messages",
                            param="max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
+        prep.grammar = src
+        prep.in_reasoning = opens_reasoning(self.tokenizer, prep.prompt_ids)
+        return prep
 
     def _prompt_ids(self, req: p.ChatCompletionRequest) -> list[int]:
         messages = []
@@ -419,10 +442,34 @@ class ServingChat(OpenAIServing):
                              "tool_call_id": m.tool_call_id})
         thinking = (req.chat_template_kwargs or {}).get("enable_thinking")
         try:
-            return self.tokenizer.encode_chat(messages, add_generation_prompt=True, enable_thinking=thinking,
+            return self.tokenizer.encode_chat(messages, add_generation_prompt=True, tools=req.tools,
+                                              enable_thinking=thinking,
                                               special_tokens_in_content=self.special_tokens_in_content)
         except ValueError as e:
             raise APIError(400, printable(e, 500), param="messages") from None
+
+    @staticmethod
+    def _output(req: p.ChatCompletionRequest, prep: _Prepared) -> ChatOutput:
+        """A choice's output chain: reasoning split; tool-call parsing when tools are offered."""
+        tools = req.tools if req.tools and req.tool_choice != "none" else None
+        return ChatOutput(in_reasoning=prep.in_reasoning, tools=tools, parallel=req.parallel_tool_calls is not False)
+
+    @staticmethod
+    def _finish_reason(reason: str | None, out: ChatOutput) -> str | None:
+        return "tool_calls" if reason == "stop" and out.calls else reason
+
+    @staticmethod
+    def _tool_deltas(deltas: list[ToolCallDelta]) -> list[p.DeltaToolCall] | None:
+        """Parser fragments -> OpenAI deltas, one per call (fragments of one call joined)."""
+        out: dict[int, p.DeltaToolCall] = {}
+        for d in deltas:
+            cur = out.get(d.index)
+            if cur is None:
+                out[d.index] = p.DeltaToolCall(index=d.index, id=d.id, type="function" if d.id else None,
+                                               function=p.DeltaFunctionCall(name=d.name, arguments=d.arguments))
+            else:
+                cur.function.arguments = (cur.function.arguments or "") + d.arguments
+        return list(out.values()) or None
 
     def _logprobs(self, lps: list[TokenLogprob]) -> p.ChatChoiceLogprobs:
         def entry(tok: int, lp: float) -> p.TopLogprob:
@@ -438,10 +485,19 @@ class ServingChat(OpenAIServing):
         async with contextlib.aclosing(gen.deltas()) as deltas:
             async for _ in deltas:
                 pass
-        choices = [p.ChatCompletionChoice(
-            index=c.index, message=p.ChatResponseMessage(content=c.text),
-            logprobs=self._logprobs(c.logprobs) if req.logprobs else None, finish_reason=c.finish_reason,
-            token_ids=c.token_ids if req.return_token_ids else None) for c in gen.choices]
+        choices = []
+        for c in gen.choices:
+            out = self._output(req, prep)
+            out.push(c.text)
+            out.finish()
+            calls = [p.ToolCall(id=t.id, function=p.FunctionCall(name=t.name, arguments=t.arguments))
+                     for t in out.calls]
+            message = p.ChatResponseMessage(content=out.content or (None if calls or out.reasoning else ""),
+                                            reasoning_content=out.reasoning or None, tool_calls=calls)
+            choices.append(p.ChatCompletionChoice(
+                index=c.index, message=message, logprobs=self._logprobs(c.logprobs) if req.logprobs else None,
+                finish_reason=self._finish_reason(c.finish_reason, out),
+                token_ids=c.token_ids if req.return_token_ids else None))
         return p.ChatCompletionResponse(id=rid, model=self.model_name, choices=choices,
                                         usage=self.usage(gen, len(prep.prompt_ids)),
                                         prompt_token_ids=prep.prompt_ids if req.return_token_ids else None)
@@ -449,6 +505,7 @@ class ServingChat(OpenAIServing):
     async def _stream(self, req: p.ChatCompletionRequest, rid: str, gen: Generation,
                       prep: _Prepared) -> AsyncIterator[str]:
         created = int(time.time())
+        outs = [self._output(req, prep) for _ in range(req.n)]
 
         def chunk(choices: list[p.ChatCompletionStreamChoice], **kw: Any) -> str:
             return sse(p.ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=choices, **kw))
@@ -459,10 +516,20 @@ class ServingChat(OpenAIServing):
                         prompt_token_ids=prep.prompt_ids if req.return_token_ids else None)
             async with contextlib.aclosing(gen.deltas()) as deltas:
                 async for d in deltas:
-                    yield chunk([p.ChatCompletionStreamChoice(
-                        index=d.index, delta=p.DeltaMessage(content=d.text or None),
-                        logprobs=self._logprobs(d.logprobs) if req.logprobs and d.logprobs else None,
-                        finish_reason=d.finish_reason, token_ids=d.token_ids if req.return_token_ids else None)])
+                    out = outs[d.index]
+                    od = out.push(d.text)
+                    if d.finish_reason is not None:
+                        end = out.finish()
+                        od = OutputDelta(od.reasoning + end.reasoning, od.content + end.content,
+                                         od.tool_calls + end.tool_calls)
+                    delta = p.DeltaMessage(content=od.content or None, reasoning_content=od.reasoning or None,
+                                           tool_calls=self._tool_deltas(od.tool_calls))
+                    lps = self._logprobs(d.logprobs) if req.logprobs and d.logprobs else None
+                    ids = d.token_ids if req.return_token_ids else None
+                    if delta.content or delta.reasoning_content or delta.tool_calls or d.finish_reason or lps or ids:
+                        yield chunk([p.ChatCompletionStreamChoice(
+                            index=d.index, delta=delta, logprobs=lps, token_ids=ids,
+                            finish_reason=self._finish_reason(d.finish_reason, out))])
             if req.include_usage:
                 yield chunk([], usage=self.usage(gen, len(prep.prompt_ids)))
         except APIError as e:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.scheduler import Scheduler
-from engine.spec import SpecSampling, SpecSession, SpecTelemetry
+from engine.spec import SpecConstraint, SpecSampling, SpecSession, SpecTelemetry
 from metrics.prometheus import ServingMetrics
 
 log = logging.getLogger("nextn.worker")
@@ -68,6 +68,7 @@ class Job:
     logprobs: int | None
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue[JobEvent]
+    constraint: SpecConstraint | None = None  # this choice's grammar (one per choice: it holds matcher state)
     arrival: float = field(default_factory=time.monotonic)
     telem: SpecTelemetry = field(default_factory=SpecTelemetry)
     cancel_reason: str | None = None
@@ -115,6 +116,7 @@ class Worker:
         self.session_factory = session_factory
         self.scheduler = Scheduler(model, max_num_seqs=max_num_seqs, max_model_len=max_model_len, k=k,
                                    max_num_batched_tokens=max_num_batched_tokens)
+        log.info("%s", self.scheduler.describe())
         self._cv = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
         self._active: dict[SpecSession, _Active] = {}
@@ -257,7 +259,7 @@ class Worker:
         self.metrics.observe_queue_time(time.monotonic() - job.arrival)
         try:
             sess = self.session_factory(self.model, job.prompt_ids, job.max_new_tokens, k=self.k,
-                                        sampling=job.sampling, constraint=None, eos_ids=list(job.eos_ids),
+                                        sampling=job.sampling, constraint=job.constraint, eos_ids=list(job.eos_ids),
                                         p_min=self.p_min, capmax=self.capmax, logprobs=job.logprobs,
                                         pool=self.scheduler.pool)
         except Exception as e:  # noqa: BLE001 - a bad session fails its own request only

@@ -40,6 +40,18 @@ def tiny_model_and_tokenizer() -> tuple[Any, Any]:
     return load_model(path), Tokenizer.from_dir(path)
 
 
+DEMO_DIR = Path(__file__).resolve().parents[1] / "models" / "demo"
+
+
+@functools.cache
+def demo_model_and_tokenizer() -> tuple[Any, Any]:
+    """The bundled demo checkpoint (trained: answers chats, writes JSON), loaded once per test process."""
+    from engine.loader import load_model
+    from engine.tokenizer import Tokenizer
+
+    return load_model(DEMO_DIR), Tokenizer.from_dir(DEMO_DIR)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -56,17 +68,27 @@ def wait_until(predicate: Any, timeout: float = 10.0, interval: float = 0.02) ->
     return bool(predicate())
 
 
+def http_ready(base: str) -> bool:
+    """`GET base/ready` answers 200 (False while nothing listens yet)."""
+    try:
+        return httpx.get(base + "/ready", timeout=1).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
 class ServerThread:
     """A real nextn server (uvicorn + worker) on 127.0.0.1 in a background thread; a context manager.
 
     `settings` override `ServeSettings` fields; `worker_kw` go to `Worker` (e.g. `session_factory`);
-    `tokenizer` replaces the tiny checkpoint's (tests wrap it to block or fail on cue).
+    `tokenizer` replaces the tiny checkpoint's (tests wrap it to block or fail on cue); `demo` serves the
+    bundled demo model instead of the tiny random one.
     """
 
-    def __init__(self, worker_kw: dict[str, Any] | None = None, tokenizer: Any = None, **settings: Any) -> None:
-        model, tok = tiny_model_and_tokenizer()
+    def __init__(self, worker_kw: dict[str, Any] | None = None, tokenizer: Any = None, demo: bool = False,
+                 **settings: Any) -> None:
+        model, tok = demo_model_and_tokenizer() if demo else tiny_model_and_tokenizer()
         tok = tokenizer if tokenizer is not None else tok
-        s = ServeSettings(**{"model_dir": tiny_checkpoint(), "port": free_port(), "device": "cpu",
+        s = ServeSettings(**{"model_dir": DEMO_DIR if demo else tiny_checkpoint(), "port": free_port(), "device": "cpu",
                              "dtype": "float32", "log_level": "warning", **settings})
         self.settings, _ = resolve(s, cuda_available=False, has_mtp=model.config.has_mtp,
                                    max_position_embeddings=model.config.max_position_embeddings)
@@ -112,3 +134,16 @@ class ServerThread:
                 if all(f'{k}="{v}"' in line for k, v in labels.items()):
                     return float(line.rsplit(" ", 1)[1])
         return 0.0
+
+
+def gated_sessions(gate: threading.Event) -> type:
+    """A SpecSession class whose prefill waits for `gate`: it holds the worker (one session active, the rest
+    queued) until the test opens the gate."""
+    from engine.spec import SpecSession
+
+    class GatedSession(SpecSession):
+        def prefill_chunk(self, budget: int) -> int:
+            gate.wait(30)
+            return super().prefill_chunk(budget)
+
+    return GatedSession

@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import json
 import random
+import re
 from pathlib import Path
 
 import jsonschema
@@ -334,6 +335,27 @@ def test_mask_matches_is_allowed_and_eos_rules(compiler, tok):
         c.consume(ids[0])
     with pytest.raises(ValueError, match="entries"):
         c.mask_logits(torch.zeros(N_VOCAB - 1))
+
+
+def test_forced_text_of_an_added_token_is_written_in_plain_tokens(compiler, tok):
+    """A regex that spells `<tool_call>` as text: llguidance's mask would offer the added token (it tokenizes the
+    forced bytes with added tokens) that its matcher then refuses; the constraint offers the plain tokens
+    instead, so every allowed token is consumable and the walk completes the text."""
+    forced = "Ok.\n<tool_call>\n<function=f>\n</function>\n</tool_call>"
+    c = _constraint(compiler, source_from_request(structured_outputs={"regex": re.escape(forced)}))
+    special = {tok.token_to_id(t) for t in ("<tool_call>", "</tool_call>")}
+    out: list[int] = []
+    for _ in range(64):
+        allowed = _mask_set(c)
+        if allowed <= set(tok.eos_token_ids):
+            break
+        assert not allowed & special
+        for t in allowed:  # each allowed token is one the matcher takes
+            assert c.is_allowed(t)
+        t = min(allowed)
+        c.consume(t)
+        out.append(t)
+    assert tok.decode(out) == forced
 
 
 def test_draft_consumes_then_rolls_back(compiler, tok):

@@ -11,9 +11,10 @@ import openai
 import pytest
 
 from engine.spec import SpecSession
+from grammar import split_reasoning
 from server.serving import ChoiceState
 from server.worker import JobEvent
-from tests.server_fixtures import API_KEY, ServerThread, tiny_model_and_tokenizer, wait_until
+from tests.server_fixtures import API_KEY, ServerThread, gated_sessions, tiny_model_and_tokenizer, wait_until
 
 #: Completions whose prompt is exactly these ids raise inside `step` after two tokens (test hook).
 FAIL_PROMPT = [5, 5, 5, 5, 5]
@@ -140,7 +141,9 @@ def test_greedy_chat_equals_plain_decode(client, srv):
     ref = plain_greedy(prompt, 40)
     assert r.choices[0].model_extra["token_ids"] == ref
     _, tok = tiny_model_and_tokenizer()
-    assert r.choices[0].message.content == tok.decode(ref, skip_special_tokens=True)
+    reasoning, content = split_reasoning(tok.decode(ref, skip_special_tokens=True))  # thinking is on by default
+    m = r.choices[0].message
+    assert (m.model_extra.get("reasoning_content"), m.content) == (reasoning, content)
     assert r.usage.completion_tokens == len(ref)
 
 
@@ -165,7 +168,9 @@ def test_chat_stream_equals_non_stream(client, srv):
     assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("chatcmpl-")
     assert all(c.object == "chat.completion.chunk" for c in chunks)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text == full.choices[0].message.content
+    assert (text or None) == full.choices[0].message.content
+    reasoning = "".join(c.choices[0].delta.model_extra.get("reasoning_content") or "" for c in chunks if c.choices)
+    assert (reasoning or None) == full.choices[0].message.model_extra.get("reasoning_content")
     finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finals == [full.choices[0].finish_reason]
     usage_chunk = chunks[-1]
@@ -215,15 +220,16 @@ def test_n_choices_are_indexed(client, srv):
                                        n=3, extra_body={"ignore_eos": True})
     assert [c.index for c in r.choices] == [0, 1, 2]
     assert r.usage.completion_tokens == 24
-    assert len({c.message.content for c in r.choices}) > 1  # seed + i per choice
+    assert len({c.message.model_extra.get("reasoning_content") for c in r.choices}) > 1  # seed + i per choice
     chunks = list(client.chat.completions.create(model=srv.model, messages=MESSAGES, max_tokens=8,
                                                  temperature=1.0, seed=7, n=3, stream=True,
                                                  extra_body={"ignore_eos": True}))
     texts = ["", "", ""]
     for ch in chunks:
         for c in ch.choices:
-            texts[c.index] += c.delta.content or ""
-    assert texts == [c.message.content for c in r.choices]
+            texts[c.index] += (c.delta.model_extra.get("reasoning_content") or "") + (c.delta.content or "")
+    assert texts == [(c.message.model_extra.get("reasoning_content") or "") + (c.message.content or "")
+                     for c in r.choices]
 
 
 def test_stop_string_cuts_text_and_frees_session(client, srv):
@@ -365,10 +371,10 @@ BAD_REQUESTS = [
      "max_completion_tokens"),
     ("n-zero", "/chat/completions", {"n": 0}, None, 400, "n"),
     ("n-too-large", "/chat/completions", {"n": 1000}, None, 400, "n"),
-    ("json-object", "/chat/completions", {"response_format": {"type": "json_object"}}, None, 400,
-     "response_format"),
-    ("tools", "/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, None, 400,
-     "tools"),
+    ("bad-response-format", "/chat/completions", {"response_format": {"type": "yaml"}}, None, 400,
+     "response_format.type"),
+    ("bad-tools", "/chat/completions", {"tools": [{"type": "function", "function": {"name": "f g"}}]}, None, 400,
+     "tools[0].function.name"),
     ("unknown-model", "/chat/completions", {"model": "gpt-9"}, None, 404, "model"),
     ("missing-key", "/chat/completions", {}, {}, 401, None),
     ("bad-key", "/chat/completions", {}, {"Authorization": "Bearer nope"}, 401, None),
@@ -436,12 +442,7 @@ def test_unknown_fields_are_ignored(client, srv, caplog):
 def test_queue_full_gets_429_with_retry_after():
     gate = threading.Event()
 
-    class GatedSession(SpecSession):  # holds the worker in its prefill until the gate opens
-        def prefill_chunk(self, budget: int) -> int:
-            gate.wait(30)
-            return super().prefill_chunk(budget)
-
-    with ServerThread(worker_kw={"session_factory": GatedSession}, max_num_seqs=1, max_queue=1) as s:
+    with ServerThread(worker_kw={"session_factory": gated_sessions(gate)}, max_num_seqs=1, max_queue=1) as s:
         body = {"model": s.model, "prompt": "Hi", "max_tokens": 2}
         done: list[int] = []
         threads = [threading.Thread(target=lambda: done.append(

@@ -317,14 +317,16 @@ class GatedDeltaNet(nn.Module):
         elif ctx.record:
             # [N, nv, dk, dv]; every step makes a new tensor, so writing slot t never clobbers the state read
             s = st.rec[ctx.slots[0], ctx.read[0]][None] if N == 1 else st.rec[ctx.slot_t, ctx.read_t]
-            outs = []
+            outs, states = [], []
             for t in range(T):
                 o_t, s = gdn_recurrent_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], s)
                 if N == 1:
                     st.rec[ctx.slots[0], ctx.write0[0] + t] = s[0]
                 else:
-                    st.rec[ctx.slot_t, ctx.write_t[:, t]] = s
+                    states.append(s)
                 outs.append(o_t)
+            if states:  # every row's per-position states in one write
+                st.rec[ctx.slot_t[:, None], ctx.write_t] = torch.stack(states, dim=1)  # [N, T, nv, dk, dv]
             o = torch.stack(outs, dim=1) if T > 1 else outs[0][:, None]  # [N, T, nv, dv]
             # conv state after token t = window[..., t+1 : t+Kc]: all T of them in one strided write
             states = window.unfold(-1, self.kc - 1, 1)[:, :, 1:T + 1].permute(0, 2, 1, 3)  # [N, T, C, Kc-1]

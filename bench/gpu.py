@@ -423,21 +423,65 @@ def print_table(rows: list[Row], timing: bool) -> None:
         print(line)
 
 
-def write_json(path: Path, rows: list[Row], steps: list, checks: list) -> None:
-    path.write_text(json.dumps({"kernels": [r.__dict__ | {"ok": r.ok} for r in rows],
+def write_json(path: Path, rows: list[Row], steps: list, checks: list, meta: dict) -> None:
+    path.write_text(json.dumps({"meta": meta, "kernels": [r.__dict__ | {"ok": r.ok} for r in rows],
                                 "steps": [s_.__dict__ for s_ in steps],
                                 "checks": [c_.__dict__ for c_ in checks]}, indent=1, default=str))
 
 
-def main() -> int:
+def print_goals(steps: list) -> None:
+    """The issue's goals, one line each: the figure, the goal, met / NOT met / not measured."""
+    goals = [s_ for s_ in steps if s_.goal]
+    if not goals:
+        return
+    print("\n## Goals\n")
+    print("| model | step | batch | figure | goal | met |")
+    print("|---|---|---|---|---|---|")
+    for s_ in goals:
+        fig = "-" if s_.ratio is None else f"{s_.ratio:.2f}x {s_.vs}"
+        met = "not measured" if s_.met is None else ("met" if s_.met else "NOT met")
+        print(f"| {s_.model} | {s_.step} | {s_.batch} | {fig} | {s_.goal} | {met} |")
+
+
+class Tee:
+    """stdout also written to a file (--md): the markdown a run prints, kept even when it is cut short."""
+
+    def __init__(self, path: Path):
+        self.f, self.out = path.open("w"), sys.stdout
+
+    def write(self, x: str) -> int:
+        self.f.write(x)
+        self.f.flush()
+        return self.out.write(x)
+
+    def flush(self) -> None:
+        self.f.flush()
+        self.out.flush()
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, checks only (CPU: TRITON_INTERPRET=1)")
-    ap.add_argument("--json", type=Path, help="also write the rows as JSON")
+    ap.add_argument("--quick", action="store_true",
+                    help="with --smoke: kernels in bf16 and the bf16 tiny model only (the test suite's variant)")
+    ap.add_argument("--json", type=Path, help="also write the rows as JSON (rewritten after every section)")
+    ap.add_argument("--md", type=Path, help="also write the printed markdown to this file")
     ap.add_argument("--sections", default="kernels,models", help="comma list of: kernels, models")
     ap.add_argument("--budget-s", type=float, default=390.0,
-                    help="start no model section (nor a model's end-to-end part) with under 60 s (resp. 0 s) of "
-                         "this budget left (default 390: the whole run fits in 8 minutes)")
-    args = ap.parse_args()
+                    help="on the GPU, start no model section with under 60 s of this budget left, nor a model's "
+                         "end-to-end part, its transformers peer or the kernel section once it is spent "
+                         "(default 390: the whole run fits in 8 minutes)")
+    args = ap.parse_args(argv)
+    if args.md:
+        sys.stdout = Tee(args.md)  # type: ignore[assignment]
+    try:
+        return run(args)
+    finally:
+        if args.md:
+            sys.stdout = sys.stdout.out  # type: ignore[attr-defined]
+
+
+def run(args: argparse.Namespace) -> int:
     t_start = time.monotonic()
     deadline = t_start + (float("inf") if args.smoke else args.budget_s)
     sections = set(args.sections.split(","))
@@ -452,43 +496,40 @@ def main() -> int:
     if not HAS_TRITON:
         print("triton is not installed (pip install triton)", file=sys.stderr)
         return 2
+    import triton
+
     import gpu_model as gm
 
     device = "cuda" if cuda else "cpu"
     rows: list[Row] = []
     steps: list = []
     checks: list = []
-    bw = None
-    if args.smoke:
-        print(f"# bench/gpu.py --smoke on {device}" + ("" if cuda else " (TRITON_INTERPRET=1)"))
-        if "kernels" in sections:
-            for dt in (torch.float32, torch.bfloat16):
-                rows += run_checks(Ctx(device, dt, timing=False), [TINY], TINY_MOE, sampling=dt == torch.float32)
-            print_table(rows, timing=False)
-    else:
-        import triton
+    bw = copy_bandwidth_gbps(device) if cuda else None
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "argv": sys.argv[1:],
+            "device": torch.cuda.get_device_name() if cuda else "cpu (TRITON_INTERPRET=1)",
+            "torch": torch.__version__, "triton": triton.__version__, "copy_gbps": bw}
 
-        name = torch.cuda.get_device_name()
-        bw = copy_bandwidth_gbps(device)
-        print(f"# bench/gpu.py on {name}: torch {torch.__version__}, triton {triton.__version__}")
+    def save() -> None:
+        if args.json:
+            write_json(args.json, rows, steps, checks, meta)
+        sys.stdout.flush()
+
+    print(f"# bench/gpu.py {' '.join(sys.argv[1:])} on {meta['device']}: torch {meta['torch']}, "
+          f"triton {meta['triton']}, {meta['date']}")
+    if bw is not None:
         print(f"copy bandwidth (read + write): {bw:.0f} GB/s")
-        if "kernels" in sections:
-            try:
-                rows = run_checks(Ctx(device, torch.bfloat16, timing=True), QWEN, QWEN_MOE)
-            except Exception as e:  # noqa: BLE001 - the model rows still run
-                import traceback
-
-                traceback.print_exc()
-                rows = [Row(f"kernel section: {type(e).__name__}: {e}", "-", "-", float("inf"), 0.0, None)]
-                torch.cuda.empty_cache()
-            print_table(rows, timing=True)
-            print(f"\n(kernel section: {time.monotonic() - t_start:.0f} s)", flush=True)
-            if args.json:
-                write_json(args.json, rows, steps, checks)
+    if args.smoke and "kernels" in sections:  # on the CPU first (cheap); on the GPU after the models (below)
+        dtypes = (torch.bfloat16,) if args.quick else (torch.float32, torch.bfloat16)
+        for dt in dtypes:
+            rows += run_checks(Ctx(device, dt, timing=False), [TINY], TINY_MOE,
+                               sampling=dt == torch.float32 or args.quick)
+        print("\n## Kernels vs their twins (tiny shapes, TRITON_INTERPRET=1 on a CPU)\n")
+        print_table(rows, timing=False)
+        save()
     if "models" in sections:
-        for spec in gm.specs(args.smoke):
+        for spec in gm.specs(args.smoke, args.quick):
             left = deadline - time.monotonic()
-            if left < 60 and not args.smoke:
+            if left < 60:
                 checks.append(gm.Check(spec.name, "model section", None, f"skipped: {left:.0f} s of budget left"))
                 continue
             t0 = time.monotonic()
@@ -505,16 +546,29 @@ def main() -> int:
             checks += ch
             print(f"\n# {spec.name} ({time.monotonic() - t0:.0f} s)")
             gm.print_model_tables(st, ch)  # as soon as it is known: a run cut short keeps what it measured
-            if args.json:
-                write_json(args.json, rows, steps, checks)
-            sys.stdout.flush()
-    if args.json:
-        write_json(args.json, rows, steps, checks)
+            save()
+    if not args.smoke and "kernels" in sections:
+        if time.monotonic() < deadline:
+            try:
+                rows = run_checks(Ctx(device, torch.bfloat16, timing=True), QWEN, QWEN_MOE)
+            except Exception as e:  # noqa: BLE001 - report it with the rest
+                import traceback
+
+                traceback.print_exc()
+                rows = [Row(f"kernel section: {type(e).__name__}: {e}", "-", "-", float("inf"), 0.0, None)]
+                torch.cuda.empty_cache()
+            print("\n## Kernels vs their twins (bf16, Qwen3.5 shapes)\n")
+            print_table(rows, timing=True)
+        else:
+            checks.append(gm.Check("-", "kernel section", None, "skipped: out of budget"))
+        save()
+    print_goals(steps)
     bad = [r.kernel for r in rows if not r.ok] + [f"{c_.model}: {c_.check}" for c_ in checks if c_.ok is False]
     n = len(rows) + sum(c_.ok is not None for c_ in checks)
-    skipped = sum(c_.ok is None for c_ in checks)
-    print(f"\n{n - len(bad)}/{n} checks PASS" + (f", {skipped} skipped" if skipped else "")
+    skipped = [f"{c_.model}: {c_.check}" for c_ in checks if c_.ok is None]
+    print(f"\n{n - len(bad)}/{n} checks PASS" + (f", {len(skipped)} skipped ({'; '.join(skipped)})" if skipped else "")
           + ("" if not bad else ": FAIL " + "; ".join(bad)) + f" ({time.monotonic() - t_start:.0f} s)")
+    save()
     return 1 if bad else 0
 
 

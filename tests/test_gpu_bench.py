@@ -1,0 +1,50 @@
+"""bench/gpu.py's checks on the CPU: `--smoke --quick` (the kernels under TRITON_INTERPRET=1, bf16, and the
+whole-model bitwise checks on a tiny bf16 model) passes, and the script's exit status follows its checks."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.ops_util import needs_triton
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = needs_triton
+
+
+def test_smoke_quick_passes_every_check(tmp_path):
+    out_json, out_md = tmp_path / "gpu.json", tmp_path / "gpu.md"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "bench/gpu.py", "--smoke", "--quick", "--json", str(out_json),
+                        "--md", str(out_md)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    res = json.loads(out_json.read_text())
+    kernels = {k["kernel"] for k in res["kernels"]}
+    assert {"matmul lm_head M=1", "attention rows=8 T=5", "gdn_update rows=8 T=5", "conv_update rows=8 T=5",
+            "gated_rms_norm rows=40", "argmax rows=40", "grouped matmul gate_up tokens=40"} <= kernels
+    assert all(k["ok"] for k in res["kernels"])
+    assert all(k["invariant"] is not False for k in res["kernels"])
+    checks = {c["check"]: c["ok"] for c in res["checks"]}
+    wanted = ["verify logits (T=5) of a session alone", "T=1 steps == columns of one T=5 verify",
+              "MTP draft logits alone == batched", "greedy spec == plain greedy, K=1..4",
+              "batch-1 plain greedy == the same session"]
+    for w in wanted:
+        hits = [ok for name, ok in checks.items() if name.startswith(w)]
+        assert hits == [True], (w, checks)
+    assert "bfloat16" in next(name for name in checks if name.startswith("greedy spec == plain"))
+    md = out_md.read_text()
+    n = len(res["kernels"]) + len(res["checks"])
+    assert "## Goals" in md and md.strip().splitlines()[-1].startswith(f"{n}/{n} checks PASS")
+
+
+def test_exit_status_follows_the_checks(monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import gpu
+    import gpu_model
+
+    for ok, rc in ((True, 0), (False, 1), (None, 0)):  # None: a skipped check is reported, not a failure
+        monkeypatch.setattr(gpu_model, "model_rows",
+                            lambda spec, *a, ok=ok: ([], [gpu_model.Check(spec.name, "a check", ok)]))
+        assert gpu.main(["--smoke", "--quick", "--sections", "models"]) == rc
+        last = capsys.readouterr().out.strip().splitlines()[-1]
+        assert ("FAIL tiny dense bf16: a check" in last) == (ok is False), last

@@ -271,3 +271,37 @@ def test_buckets_and_scheduler_defaults_on_cpu(tmp_path):
     assert sched.runner is EAGER and sched.buckets == [] and sched.pool.slots == 3  # the torch path: unchanged
     with pytest.raises(ValueError, match="scratch"):
         GraphRunner(m, sched.pool, [1, 4], scratch=[])
+
+
+def test_a_failed_capture_serves_eagerly_from_then_on(monkeypatch, caplog):
+    """GraphRunner._run as on CUDA (capture on) with a capture that fails: the call still returns its eager
+    result, nothing is kept as a graph, the failure is logged, and later calls run eagerly."""
+    m = _model(seed=9)
+    base, cur = _prefilled(m, [5, 7], seed=6)
+    runner = GraphRunner(m, base, [1, 2], scratch=[2])
+    ref = _clone(base)
+    calls = []
+
+    class FailingCapture:
+        def __init__(self, *a, **kw):
+            calls.append(kw)
+
+        def __enter__(self):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
+    monkeypatch.setattr(torch.cuda, "graph", FailingCapture)
+    runner.capture = True
+    tokens = torch.randint(0, V, (2, 2), generator=torch.Generator().manual_seed(2))
+    with ops.force_kernels(), torch.inference_mode(), caplog.at_level("WARNING", logger="engine.graphs"):
+        want = EAGER.verify(m, ref, tokens, [0, 1], [5, 7], cur)[2]
+        got = runner.verify(m, base, tokens, [0, 1], [5, 7], cur)[2]
+        assert torch.equal(got, want) and len(calls) == 1
+        assert not runner.capture and runner.num_graphs == 0
+        assert "capture of 2x2 failed (RuntimeError" in caplog.text
+        want = EAGER.verify(m, ref, tokens, [0, 1], [5, 7], cur)[2]  # both pools took the same first step
+        again = runner.verify(m, base, tokens, [0, 1], [5, 7], cur)[2]  # eager: no second capture attempt
+        assert torch.equal(again, want) and len(calls) == 1 and runner.num_graphs == 0

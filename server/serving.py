@@ -23,6 +23,7 @@ from typing import Any
 from engine.spec import SpecConstraint, SpecTelemetry, TokenLogprob
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from grammar import GrammarError, GrammarSource, ToolCallDelta, source_from_request
+from grammar.parsers import THINK_END
 from metrics.prometheus import ServingMetrics
 from server import protocol as p
 from server.structured import ChatOutput, OutputDelta, StructuredOutputs, grammar_error, opens_reasoning
@@ -160,12 +161,20 @@ class ChoiceState:
     string the text before it is released, the tokens up to the one that completed it are kept, and
     `stopped` is set (the caller cancels the session). `finished` is set when the choice's output is
     final; `done` when the worker has also retired the session (its telemetry is then final).
+
+    `reasoning`: the output starts inside a `<think>` block (chat with thinking on). Stop strings then apply
+    to the answer only, as vLLM does (PR #14550) and hosted APIs do: they are dormant until `</think>` and
+    the whitespace after it (which the reasoning split drops from `content`) have passed.
     """
 
-    def __init__(self, index: int, tokenizer: Tokenizer, prompt_ids: list[int], stops: Sequence[str]) -> None:
+    def __init__(self, index: int, tokenizer: Tokenizer, prompt_ids: list[int], stops: Sequence[str],
+                 reasoning: bool = False) -> None:
         self.index = index
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=True)
         self.matcher = StopMatcher(stops)
+        #: inside the reasoning block: the text's last len(THINK_END) - 1 characters (None: stops are live)
+        self._think_tail: str | None = "" if reasoning and stops else None
+        self._skip_ws = False  # the whitespace right after `</think>` is not matched either
         self.held = ""
         self.text = ""
         self.token_ids: list[int] = []
@@ -206,6 +215,23 @@ class ChoiceState:
 
     def _add(self, text: str) -> bool:
         """Append new text to `held`; on a stop string cut `held` where it starts and return True."""
+        if self._think_tail is not None:  # reasoning: stops dormant until `</think>`
+            buf = self._think_tail + text
+            j = buf.find(THINK_END)
+            if j < 0:
+                self.held += text
+                self._think_tail = buf[len(buf) - len(THINK_END) + 1:]
+                return False
+            cut = j + len(THINK_END) - len(self._think_tail)  # >= 1: the marker ends inside `text`
+            self.held += text[:cut]
+            text, self._think_tail, self._skip_ws = text[cut:], None, True
+        if self._skip_ws:
+            ws = len(text) - len(text.lstrip())
+            self.held += text[:ws]
+            text = text[ws:]
+            if not text:
+                return False
+            self._skip_ws = False
         at = self.matcher.feed(text)
         if at is None:
             self.held += text
@@ -364,7 +390,7 @@ class OpenAIServing:
             s = sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + i)
             jobs.append(Job(i, prep.prompt_ids, prep.max_new_tokens, s, eos, req.num_logprobs, loop, events,
                             constraint=constraint() if constraint is not None else None))
-            choices.append(ChoiceState(i, self.tokenizer, prep.prompt_ids, stops))
+            choices.append(ChoiceState(i, self.tokenizer, prep.prompt_ids, stops, reasoning=prep.in_reasoning))
         try:
             self.worker.submit(jobs)
         except QueueFull as e:

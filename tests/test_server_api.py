@@ -99,6 +99,23 @@ def test_false_stop_prefix_is_released_at_the_end():
     assert (d.text, d.finish_reason, st.text) == ("The", "length", "Hello world! The")
 
 
+@pytest.mark.parametrize("split", [False, True])
+def test_stop_strings_are_dormant_inside_reasoning(split):
+    """Thinking on: a stop string in the reasoning (or in `</think>` itself, or in the whitespace the split drops
+    after it) does not cut; the first one in the answer does. Tokens fed one by one, or all in one event (a
+    spec round that accepts `</think>` and the answer together)."""
+    _, tok = tiny_model_and_tokenizer()
+    text = "The end of a quick thought.</think>\n\nHello. The end is near"
+    ids = tok.encode(text)
+    st = ChoiceState(0, tok, [], ["The end", "th", "\n\n", "ink"], reasoning=True)
+    events = [JobEvent(0, ids)] if split else [JobEvent(0, [t]) for t in ids]
+    out = "".join(st.feed(ev).text for ev in events)
+    assert (out, st.finish_reason) == ("The end of a quick thought.</think>\n\nHello. ", "stop")
+    assert split_reasoning(out, True)[1] == "Hello. "
+    plain = ChoiceState(0, tok, [], ["The end"])  # no reasoning: the first occurrence cuts
+    assert "".join(plain.feed(JobEvent(0, [t])).text for t in ids) == ""
+
+
 # ------------------------------------------------------------------------------------------ basics
 
 

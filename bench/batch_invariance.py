@@ -7,7 +7,7 @@ and reports, per sub-module of the first layers and for the logits, the max |dif
 bitwise equal). The first module whose output differs is where invariance breaks. Greedy outputs are checked
 separately by the exactness tests; this says where and by how much the floats move.
 
-    .venv/bin/python bench/batch_invariance.py [--model models/demo] [--dtype float32] [--k 3]
+    .venv/bin/python bench/batch_invariance.py [--model models/demo] [--dtype float32] [--k 3] [--unfused]
 """
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ def _capture(model) -> tuple[dict[str, list[torch.Tensor]], list]:
             continue
         if not list(mod.children()) or name.count(".") == 2 and name.startswith("model.layers."):
             def hook(_m, _inp, out, name=name):
+                out = out[0] if isinstance(out, tuple) else out  # the MoE router returns (weights, ids)
                 seen.setdefault(name, []).append(out.detach().clone())
             handles.append(mod.register_forward_hook(hook))
     return seen, handles
@@ -110,12 +111,20 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--full", action="store_true", help="every module, not only the first ones that differ")
+    ap.add_argument("--unfused", action="store_true",
+                    help="run the separate projections (not the fused GEMMs) so each one is attributed on its own")
     args = ap.parse_args()
     torch.set_num_threads(1)
     model = load_model(args.model, dtype=args.dtype)
+    if args.unfused:
+        for m in model.modules():
+            for attr in ("_w_in", "_w_qkv", "_w_gu"):
+                if getattr(m, attr, None) is not None:
+                    setattr(m, attr, None)
     rows = measure(model, args.k)
     f = lambda d: "nan" if d != d else ("0 (bitwise)" if d == 0 else f"{d:.3g}")  # noqa: E731
-    print(f"model={Path(args.model).name} dtype={args.dtype} K={args.k} threads=1")
+    print(f"model={Path(args.model).name} dtype={args.dtype} K={args.k} threads=1"
+          f"{' (unfused projections)' if args.unfused else ''}")
     for col, label in ((1, "batch of 4 vs alone"), (2, "T=1 steps vs T=K+1")):
         first = [r for r in rows[:-2] if r[col] > 0][:4]
         print(f"- {label}: bitwise equal through {len([r for r in rows[:-2] if r[col] == 0])} of {len(rows) - 2} "

@@ -89,6 +89,11 @@ class ServeSettings(BaseModel):
     metrics_compat: Literal["none", "vllm"] = Field(
         "none", description="vllm = also expose vLLM's `vllm:` metric names on /metrics")
     log_level: Literal["debug", "info", "warning", "error", "critical"] = Field("info", description="log level")
+    # research door (README "Research"): read once at process start; no request field, header or route reaches it
+    research_opti_controller_q: float | None = Field(
+        None, ge=0.0, le=1.0, allow_inf_nan=False,
+        description="research door, diagnostic only (measured NO-GO): arm the OPTIPIPE increment-2 controller "
+                    "with threshold Q on p(d1)*p(d2), a finite number in [0, 1] (default: absent = off)")
 
     @field_validator("device", "dtype", "metrics_compat", "log_level", mode="before")
     @classmethod

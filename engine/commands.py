@@ -1,4 +1,4 @@
-"""Engine-level CLI subcommands: `nextn generate`, `nextn bench spec`, `nextn dspark-extract`.
+"""Engine-level CLI subcommands: `nextn generate`, `nextn bench spec`, `nextn dspark-extract`, `nextn optipipe-gate`.
 
 `register(subparsers)` adds them to the `nextn` argparse tree; each parser gets `func(args) -> int`.
 """
@@ -82,6 +82,16 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
     d.add_argument("--seed", type=int, default=20260811)
     d.add_argument("--split", choices=["train", "heldout"], default="train")
     d.set_defaults(func=cmd_dspark_extract)
+
+    o = subparsers.add_parser("optipipe-gate", help="OPTIPIPE research harness: forced OptiFork verdicts vs serial")
+    _add_model_args(o)
+    o.add_argument("--mode", required=True, choices=["off", "hit", "miss", "alternate", "abort", "controller"],
+                   help="forced verdict (hit, miss, alternate, abort), the increment-2 controller, or off")
+    o.add_argument("--q", type=float, default=0.7, help="controller threshold on p(d1) * p(d2) (default 0.7)")
+    o.add_argument("--max-tokens", type=int, default=48)
+    o.add_argument("--prompts", default=None, help="file with one prompt per line (chat-rendered); default: built-in")
+    o.add_argument("--json", action="store_true", help="print one JSON object")
+    o.set_defaults(func=cmd_optipipe_gate)
 
 
 def _load(args):
@@ -225,3 +235,29 @@ def cmd_dspark_extract(args) -> int:
                        anchors_per_pair=args.anchors_per_pair, seed=args.seed, split=args.split)
     print(f"wrote {n} records to {args.out}")
     return 0
+
+
+def cmd_optipipe_gate(args) -> int:
+    """`nextn optipipe-gate`: run the forced OptiFork harness (engine/optipipe.py `run_gate`), print the invariant
+    checks; exit 1 when any fails."""
+    import torch
+
+    from .optipipe import OptiForkGateMode, run_gate
+
+    model = _load(args)
+    tok = _tokenizer(args.model_dir)
+    texts = ([ln.strip() for ln in Path(args.prompts).read_text().splitlines() if ln.strip()] if args.prompts
+             else DEFAULT_BENCH_PROMPTS[:2])
+    if tok is not None:
+        prompts = [_chat_ids(tok, t) for t in texts]
+    else:
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(0, model.config.vocab_size, (16,), generator=g).tolist() for _ in texts]
+    try:
+        report = run_gate(model, OptiForkGateMode.parse(args.mode), prompts, max_new_tokens=args.max_tokens,
+                          threshold=args.q)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(report.to_dict()) if args.json else "\n".join(report.lines()))
+    return 0 if report.passed else 1

@@ -115,8 +115,11 @@ class PenaltyState:
             add = torch.zeros_like(rows).scatter_add_(-1, extra.clamp_min(0), (extra >= 0).to(rows.dtype))
             counts, seen = counts + add, seen | (add > 0)
         if s.repetition_penalty != 1.0:
-            rp = s.repetition_penalty
-            rows = torch.where(seen, torch.where(rows > 0, rows / rp, rows * rp), rows)
+            # A request may send any rp > 0, 5e-324 included: below the dtype's smallest normal it would round to
+            # 0 (-inf * 0 = nan), and rows / rp overflows, so it is floored there and the quotient capped.
+            info = torch.finfo(rows.dtype)
+            rp = max(s.repetition_penalty, info.tiny)
+            rows = torch.where(seen, torch.where(rows > 0, (rows / rp).clamp_max(info.max), rows * rp), rows)
         if s.frequency_penalty or s.presence_penalty:
             rows = rows - (s.frequency_penalty * counts + s.presence_penalty * (counts > 0).to(rows.dtype))
         return rows
@@ -124,8 +127,10 @@ class PenaltyState:
 
 def probs_from_logits(rows: torch.Tensor, s: SpecSampling) -> torch.Tensor:
     """fp32 logits [..., V] (already penalised) -> sampling distribution [..., V] (float64) after temperature,
-    top-k, top-p, min-p."""
-    p = torch.softmax(rows.double() / s.temperature, dim=-1)
+    top-k, top-p, min-p. Any temperature > 0 gives a distribution, down to subnormal ones (the row's maximum is
+    subtracted before dividing, so the largest scaled logit is 0, never inf / inf)."""
+    z = rows.double()
+    p = torch.softmax((z - z.amax(dim=-1, keepdim=True)) / s.temperature, dim=-1)
     if s.top_k > 0 and s.top_k < p.shape[-1]:
         kth = torch.topk(p, s.top_k, dim=-1).values[..., -1:]
         p = torch.where(p >= kth, p, torch.zeros_like(p))
@@ -135,6 +140,7 @@ def probs_from_logits(rows: torch.Tensor, s: SpecSampling) -> torch.Tensor:
         sp, idx = torch.sort(p, dim=-1, descending=True)
         csum = torch.cumsum(sp, dim=-1)
         keep = (csum - sp) < s.top_p * csum[..., -1:]  # smallest prefix reaching top_p of the mass
+        keep[..., 0] = True  # never empty: a subnormal top_p times the mass can round to 0
         p = torch.where(torch.zeros_like(keep).scatter(-1, idx, keep), p, torch.zeros_like(p))
     return p / p.sum(dim=-1, keepdim=True)
 

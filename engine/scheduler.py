@@ -5,6 +5,10 @@
 sessions, up to `max_num_batched_tokens` tokens per step in all (the round's N x (k+1) tokens count first), so a
 long prompt never freezes the running streams for longer than one chunk. A session joins (`add`) once it holds
 a pool slot and leaves between steps; its slot is returned the moment it finishes, fails or is removed.
+
+On CUDA (with triton) the round's forwards replay CUDA graphs (engine/graphs.py `GraphRunner`): the scheduler
+picks the batch-size buckets (`graph_buckets(max_num_seqs)`) and reserves the scratch pool slots that bucket
+padding rows write to (`padding_rows(buckets)` extra slots, never handed to a session).
 """
 from __future__ import annotations
 
@@ -14,6 +18,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import StatePool, pool_bytes
+from .graphs import EAGER, GraphRunner, StepRunner, graph_buckets, padding_rows
+from .model.ops import dispatch as ops
 from .model.qwen35 import Qwen35ForCausalLM
 from .spec import PREFILL_CHUNK, SpecSession, spec_round
 
@@ -58,7 +64,9 @@ class Scheduler:
     """Owns the state pool and the batch. Not thread-safe: one thread (the worker) calls everything."""
 
     def __init__(self, model: Qwen35ForCausalLM, *, max_num_seqs: int, max_model_len: int, k: int,
-                 max_num_batched_tokens: int, prefill_chunk: int = PREFILL_CHUNK):
+                 max_num_batched_tokens: int, prefill_chunk: int = PREFILL_CHUNK, step_graphs: bool | None = None):
+        """step_graphs: run the round through a `GraphRunner` (None: when the model is on the kernel path, i.e.
+        CUDA with triton; on a CPU it executes the same static-buffer bodies without capturing, for tests)."""
         cfg = model.config
         self.model = model
         self.k = k if cfg.has_mtp else 0
@@ -66,16 +74,31 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk
         device = model.lm_head.weight.device
         capacity = pool_capacity(max_model_len, self.k)
-        need = sum(pool_bytes(cfg, max_num_seqs, capacity, self.k + 1, cfg.dtype, self.k > 0).values())
+        graphs = ops.use_triton(model.lm_head.weight) if step_graphs is None else step_graphs
+        self.buckets = graph_buckets(max_num_seqs) if graphs else []
+        n_scratch = padding_rows(self.buckets)
+        #: bytes the pool reserves, by part ("kv", "gdn", "mtp"), scratch rows for graph padding included
+        self.reserved = pool_bytes(cfg, max_num_seqs + n_scratch, capacity, self.k + 1, cfg.dtype, self.k > 0)
+        need = sum(self.reserved.values())
         avail = free_memory(device)
         if need > POOL_MEMORY_FRACTION * avail:
             raise PoolTooLarge(
                 f"the state pool for --max-num-seqs {max_num_seqs} x --max-model-len {max_model_len} (K={self.k}) "
                 f"needs {need / 2**30:.2f} GiB but {avail / 2**30:.2f} GiB is free on {device}: lower --max-num-seqs "
                 f"or --max-model-len")
-        self.pool = StatePool(cfg, max_num_seqs, capacity, self.k + 1, device, cfg.dtype, mtp=self.k > 0)
+        self.pool = StatePool(cfg, max_num_seqs + n_scratch, capacity, self.k + 1, device, cfg.dtype, mtp=self.k > 0)
+        scratch = [self.pool.alloc() for _ in range(n_scratch)]  # bucket padding rows' slots, held for good
+        self.runner: StepRunner = GraphRunner(model, self.pool, self.buckets, scratch) if graphs else EAGER
         self.running: list[SpecSession] = []
         self.joining: collections.deque[SpecSession] = collections.deque()
+
+    def describe(self) -> str:
+        """One line: what the state pool reserved."""
+        mib = {k: v / 2**20 for k, v in self.reserved.items()}
+        p = self.pool
+        return (f"state pool: {p.slots} slots x {p.capacity} positions, {p.window} GDN state slots each: "
+                f"KV {mib['kv']:.1f} MiB, GDN {mib['gdn']:.1f} MiB, MTP {mib['mtp']:.1f} MiB "
+                f"({sum(mib.values()):.1f} MiB on {p.device})")
 
     @property
     def has_room(self) -> bool:
@@ -106,7 +129,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens - sum(s.k_round() + 1 for s in self.running)
         if self.running:
             try:
-                spec_round(self.model, self.running)
+                spec_round(self.model, self.running, self.runner)
             except Exception as e:  # noqa: BLE001 - the batched part failed: every row of it is in doubt
                 for s in self.running:
                     s.fail(e)

@@ -26,7 +26,10 @@ from typing import Callable, Protocol, runtime_checkable
 import torch
 
 from .cache import ModelCache, MtpScratch, StatePool
+from .graphs import EAGER, StepRunner
+from .model.ops import dispatch as ops
 from .model.qwen35 import FwdCtx, Qwen35ForCausalLM
+from .optipipe import optipipe_round
 from .sampling import PenaltyState, SpecSampling, probs_from_logits, sample
 
 __all__ = [
@@ -528,7 +531,7 @@ def _pick(rows: list[SpecSession], logits: torch.Tensor, extra: torch.Tensor) ->
     proc = torch.stack([r._pen.apply(logits[i], r.sampling, extra[i], n_out=len(r.emitted) + j)
                         for i, r in enumerate(rows)]) if any(r.sampling.processes for r in rows) else logits
     top = torch.softmax(proc, dim=-1).amax(dim=-1)  # [A]
-    tok = proc.argmax(dim=-1)  # [A]
+    tok = ops.argmax(proc)  # [A]
     qs: list[torch.Tensor | None] = [None] * len(rows)
     for i, r in enumerate(rows):
         if not r.sampling.greedy:
@@ -538,7 +541,8 @@ def _pick(rows: list[SpecSession], logits: torch.Tensor, extra: torch.Tensor) ->
     return tok, top, qs
 
 
-def _draft(model: Qwen35ForCausalLM, rows: list[SpecSession], ks: list[int]) -> tuple[torch.Tensor, list[list]]:
+def _draft(model: Qwen35ForCausalLM, rows: list[SpecSession], ks: list[int],
+           runner: StepRunner = EAGER) -> tuple[torch.Tensor, list[list]]:
     """Draft up to ks[i] tokens per row, one MTP head forward per depth over every row still drafting.
     Returns drafts [N, max ks] (long, -1 where a row drafts nothing: fewer wanted, p-min cut, constraint) and the
     q rows of sampled rows (qs[i][j])."""
@@ -561,10 +565,8 @@ def _draft(model: Qwen35ForCausalLM, rows: list[SpecSession], ks: list[int]) -> 
         toks[a, :qlen[a]] = torch.tensor(r._mtp_tokens, device=dev)
         hid[a, :qlen[a]] = r._mtp_hidden
     sc_pos = [rows[i].scratch.length for i in act]
-    ctx = FwdCtx.make(model.config, dev, dt, [rows[i].slot for i in act], sc_pos, [0] * len(act), [0] * len(act),
-                      Tq, False)
-    hm = model.mtp_forward(toks, hid, ctx, pool.mtp)  # [A, Tq, H]
-    h = hm[torch.arange(len(act), device=dev), torch.tensor(qlen, device=dev) - 1][:, None]  # [A, 1, H]
+    h, lg = runner.draft(model, pool, toks, hid, [rows[i].slot for i in act], sc_pos,
+                         [q - 1 for q in qlen])  # [A, 1, H], [A, V]
     for i in act:
         r = rows[i]
         r.scratch.set_len(len(r.committed))
@@ -580,11 +582,9 @@ def _draft(model: Qwen35ForCausalLM, rows: list[SpecSession], ks: list[int]) -> 
                 act, h, alive = [act[a] for a in live], h[live], alive[live]
                 live = list(range(len(act)))
             prev = drafts[act, j - 1].clamp_min(0)[:, None]  # [A, 1]
-            ctx = FwdCtx.make(model.config, dev, dt, [rows[i].slot for i in act],
-                              [len(rows[i].committed) - 1 + j for i in act], [0] * len(act), [0] * len(act), 1, False)
-            h = model.mtp_forward(prev, h, ctx, pool.mtp)  # [A, 1, H]
+            h, lg = runner.draft(model, pool, prev, h, [rows[i].slot for i in act],
+                                 [len(rows[i].committed) - 1 + j for i in act], None)  # [A, 1, H], [A, V]
         arows = [rows[i] for i in act]
-        lg = model.logits(h[:, 0])  # [A, V]
         for a, r in enumerate(arows):  # grammars propose legal drafts only (drafts never affect exactness)
             if r.constraint is not None and hasattr(r.constraint, "draft_mask_logits") and bool(alive[a]):
                 lg[a] = r.constraint.draft_mask_logits(lg[a])
@@ -636,7 +636,7 @@ def _accept(rows: list[SpecSession], logits: torch.Tensor, drafts: torch.Tensor,
         proc = proc.clone()
         for i, m in masks:
             proc[i, :m.shape[0]] = proc[i, :m.shape[0]].masked_fill(~m, float("-inf"))
-    am = proc.argmax(dim=-1)  # [N, T]
+    am = ops.argmax(proc.flatten(0, 1)).view(N, T)  # [N, T]
     match = (am[:, :K] == drafts) & valid
     n_acc = torch.cumprod(match.long(), dim=1).sum(dim=1)  # [N]
     bonus = am.gather(1, n_acc[:, None])[:, 0]  # [N]
@@ -662,18 +662,16 @@ def _accept(rows: list[SpecSession], logits: torch.Tensor, drafts: torch.Tensor,
 
 
 @torch.inference_mode()
-def spec_round(model: Qwen35ForCausalLM, rows: list[SpecSession]) -> None:
+def spec_round(model: Qwen35ForCausalLM, rows: list[SpecSession], runner: StepRunner = EAGER) -> None:
     """One speculative round for every session in `rows` (all started, unfinished, in one pool): draft, one
-    verify forward of N x T tokens, acceptance on the device, ONE host copy, then each row's commit."""
+    verify forward of N x T tokens, acceptance on the device, ONE host copy, then each row's commit.
+    `runner` runs the forwards (engine/graphs.py: eagerly, or the scheduler's CUDA graphs)."""
     ks = [r.k_round() for r in rows]
-    drafts, qs = _draft(model, rows, ks)  # [N, K]
-    N, T = len(rows), max(ks) + 1
+    fork = optipipe_round(rows, ks)  # OPTIPIPE research door (engine/optipipe.py): None unless armed
+    drafts, qs = _draft(model, rows, ks, runner)  # [N, K]
     tokens = torch.cat([torch.tensor([[r.pending] for r in rows], device=drafts.device), drafts.clamp_min(0)], 1)
-    ctx = FwdCtx.make(model.config, drafts.device, rows[0].dtype, [r.slot for r in rows], [r.cache.length for r in rows],
-                      [r.cache.cur for r in rows], [0] * N, T, True)
-    pre = model.forward_step(tokens, ctx, rows[0].pool)  # [N, T, H]
-    post = model.model.norm(pre)
-    logits = model.logits(post)  # [N, T, V]
+    pre, post, logits = runner.verify(model, rows[0].pool, tokens, [r.slot for r in rows],
+                                      [r.cache.length for r in rows], [r.cache.cur for r in rows])  # [N, T, *]
     n_acc, out = _accept(rows, logits, drafts, qs, ks)
     host = torch.cat([n_acc[:, None], (drafts >= 0).sum(1, keepdim=True), out], 1).tolist()  # the one host sync
     for i, r in enumerate(rows):
@@ -684,6 +682,8 @@ def spec_round(model: Qwen35ForCausalLM, rows: list[SpecSession]) -> None:
             if len(rows) == 1:
                 raise
             r.fail(e)
+    if fork is not None:  # OPTIPIPE: shadow check and resolution; never changes a token or the committed state
+        fork.resolve(model, drafts, host)
 
 
 def generate_spec(model: Qwen35ForCausalLM, prompt_ids: list[int], max_new_tokens: int, k: int = 3,

@@ -19,6 +19,7 @@ from typing import Any
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Encoding
 from tokenizers import Tokenizer as _HFTokenizer
 
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -52,6 +53,18 @@ def _id_list(value: Any) -> list[int]:
     if isinstance(value, list):
         return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
     return []
+
+
+def _encode(tokenizer: _HFTokenizer, text: str, add_special_tokens: bool = False) -> Encoding:
+    """``tokenizer.encode``, except that a str holding a lone surrogate (not Unicode text: tokenizers refuses
+    it with a TypeError) raises ValueError naming the code point."""
+    try:
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    except TypeError:
+        bad = next((c for c in text if "\ud800" <= c <= "\udfff"), None) if isinstance(text, str) else None
+        if bad is None:
+            raise
+        raise ValueError(f"text contains a lone surrogate U+{ord(bad):04X}, which is not valid Unicode") from None
 
 
 def _raise_exception(message: str) -> None:
@@ -245,8 +258,9 @@ class Tokenizer:
         return None
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of ``text``; added tokens written in the text (``<|im_start|>``...) become their ids."""
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of ``text``; added tokens written in the text (``<|im_start|>``...) become their ids.
+        ValueError for a lone surrogate (as from every encode method)."""
+        return _encode(self._tok, text, add_special_tokens).ids
 
     def encode_plain(self, text: str) -> list[int]:
         """Token ids of ``text`` with special-token text (``<|im_end|>``...) encoded as ordinary text; other
@@ -255,7 +269,7 @@ class Tokenizer:
             plain = _HFTokenizer.from_str(self._tok.to_str())
             plain.encode_special_tokens = True
             self._plain = plain
-        return self._plain.encode(text, add_special_tokens=False).ids
+        return _encode(self._plain, text).ids
 
     def encode_chat(
         self,
@@ -307,7 +321,7 @@ class Tokenizer:
         safe_messages, safe_tools = _map_strings((messages, tools), defuse)
         rendered = render(safe_messages, safe_tools)
         restore = str.maketrans({ph: text for text, ph in placeholder.items()})
-        enc = self._tok.encode(rendered, add_special_tokens=False)
+        enc = _encode(self._tok, rendered)
         ids: list[int] = []
         start = 0
         for tok, (a, b) in zip(enc.ids, enc.offsets, strict=True):
@@ -377,6 +391,11 @@ class Tokenizer:
 
 # Prompt tokens kept as decoding context (vLLM uses the same window).
 _PROMPT_CONTEXT_TOKENS = 5
+#: Tokens pending (decoded, not yet returned) beyond which the window is cut where it splits cleanly. A
+#: character has at most 4 UTF-8 bytes and a token at least one, so only the last 3 tokens can hold the start
+#: of a character still incomplete; the window stays bounded even while tokens never form a character.
+_MAX_PENDING_TOKENS = 8
+_KEEP_AFTER_CUT = 4
 
 
 class IncrementalDetokenizer:
@@ -384,10 +403,13 @@ class IncrementalDetokenizer:
 
     Uses the prefix/read-offset technique: each new token decodes a short window of tokens starting
     at the last emitted character boundary, and the text past the already-emitted part is returned
-    once it no longer ends in U+FFFD (an incomplete character). Work per token is O(window), not
-    O(sequence). The concatenation of all :meth:`push` results and :meth:`flush` equals
-    ``tokenizer.decode(pushed_ids, skip_special_tokens)`` (``prompt_ids`` only supply context; their
-    last few tokens are decoded with the window and their text is never returned).
+    once it no longer ends in U+FFFD (an incomplete character). When many tokens pass without that (bytes that
+    are not UTF-8, or special tokens skipped), the window is cut at a token where it splits cleanly (decoding
+    both sides apart gives the same text), and the text before the cut is final. Work per token is
+    O(window), and the window is bounded, not O(sequence). The concatenation of all :meth:`push` results and
+    :meth:`flush` equals ``tokenizer.decode(pushed_ids, skip_special_tokens)``; a push never ends on U+FFFD
+    (``prompt_ids`` only supply context; their last few tokens are decoded with the window and their text
+    is never returned).
     """
 
     def __init__(
@@ -396,9 +418,12 @@ class IncrementalDetokenizer:
         """Start a stream; ``prompt_ids`` are the tokens that precede the first pushed token."""
         self._tok = tokenizer
         self._skip = skip_special_tokens
-        self._ids: list[int] = list(prompt_ids[-_PROMPT_CONTEXT_TOKENS:]) if prompt_ids else []
+        context = list(prompt_ids[-_PROMPT_CONTEXT_TOKENS:]) if prompt_ids else []
+        # a prompt (given as ids) that ends inside a character would merge with the first pushed bytes
+        self._ids: list[int] = [] if tokenizer.decode(context, skip_special_tokens).endswith("\ufffd") else context
         self._prefix = 0  # start of the decode window (a character boundary already emitted)
         self._read = len(self._ids)  # tokens before this index have had their text emitted
+        self._held = 0  # final U+FFFD characters not returned yet (a push never ends on one)
 
     def _pending(self) -> tuple[str, str]:
         ids = self._ids
@@ -411,6 +436,27 @@ class IncrementalDetokenizer:
         self._prefix = 0
         self._read = len(self._ids)
 
+    def _release(self, text: str) -> str:
+        """Final `text` after the held U+FFFDs, less its own trailing U+FFFDs (held in turn)."""
+        kept = text.rstrip("\ufffd")
+        if not kept:
+            self._held += len(text)
+            return ""
+        out = "\ufffd" * self._held + kept
+        self._held = len(text) - len(kept)
+        return out
+
+    def _cut(self, emitted: str, window: str) -> str:
+        """Many tokens pending: if the window splits cleanly before its last tokens, return the text before
+        the split (final: later tokens cannot change it) and restart the window there."""
+        cut = len(self._ids) - _KEEP_AFTER_CUT
+        head = self._tok.decode(self._ids[self._prefix : cut], self._skip)
+        if not head.startswith(emitted) or head + self._tok.decode(self._ids[cut:], self._skip) != window:
+            return ""  # a character (or an invalid sequence) spans the cut: try again after the next token
+        del self._ids[:cut]
+        self._prefix = self._read = 0
+        return self._release(head[len(emitted) :])
+
     def push(self, token_ids: list[int]) -> str:
         """Add tokens; return the newly completed text (possibly empty)."""
         out: list[str] = []
@@ -418,13 +464,17 @@ class IncrementalDetokenizer:
             self._ids.append(tok)
             emitted, window = self._pending()
             if len(window) > len(emitted) and not window.endswith("\ufffd"):
-                out.append(window[len(emitted) :])
+                out.append(self._release(window[len(emitted) :]))
                 self._advance()
+            elif len(self._ids) - self._read > _MAX_PENDING_TOKENS:
+                out.append(self._cut(emitted, window))
         return "".join(out)
 
     def flush(self) -> str:
         """End of stream: return any held-back text, including U+FFFD for a trailing incomplete character."""
         emitted, window = self._pending()
+        out = "\ufffd" * self._held + window[len(emitted) :]
+        self._held = 0
         self._read = len(self._ids)
         self._advance()
-        return window[len(emitted) :]
+        return out

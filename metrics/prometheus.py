@@ -69,20 +69,28 @@ omits nextn-only families (drafted-per-position, grammar compile) so vLLM toolin
 schema. This mode is knowingly NOT promtool-clean: ``promtool check metrics`` fails on every ``vllm:``
 name ("metric names should not contain ':'"); the default mode passes it.
 
+OPTIPIPE research door (only when ``nextn serve --research-opti-controller-q Q`` armed it; absent, no such
+series exist): one counter per ``engine.optipipe.OptiForkGateStats`` field, ``nextn_optipipe_<field>_total``
+(``attempts``, ``hits``, ``misses``, ``abort_drains``, ``refusals``, ``gate_checks``, ``gate_admits``,
+``gate_rejects``, ``reconciles``, ``wasted_draft_tokens``, ``shadow_draft_tokens``, ``breaker_trips``), read
+from the engine's process-wide stats at scrape time; not aliased under ``vllm:``. Hit rate of admitted
+successors: ``rate(nextn_optipipe_hits_total[5m]) / rate(nextn_optipipe_attempts_total[5m])``.
+
 Consistency: ``add_spec`` and ``render`` share a lock, so one scrape never shows half of a delta (e.g.
 drafts updated but accepted not yet), and ratios computed from a single scrape are exact.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 log = logging.getLogger(__name__)
@@ -155,6 +163,22 @@ class _VllmAlias(Collector):
         return self.collect()
 
 
+class _OptipipeCounters(Collector):
+    """The OPTIPIPE door's counters: ``source()`` returns the engine's stats dataclass (each field an int with a
+    ``doc`` in its metadata); one ``nextn_optipipe_<field>_total`` counter per field, read at scrape time."""
+
+    def __init__(self, source: Callable[[], Any], labels: tuple[str, str]):
+        self._source, self._labels = source, labels
+
+    def collect(self) -> Iterable[Metric]:
+        stats = self._source()
+        for f in dataclasses.fields(stats):
+            fam = CounterMetricFamily(f"{_PREFIX}optipipe_{f.name}",
+                                      f"OPTIPIPE research door: {f.metadata.get('doc', f.name)}.", labels=_LABELS)
+            fam.add_metric(self._labels, getattr(stats, f.name))
+            yield fam
+
+
 class ServingMetrics:
     """All of nextn's Prometheus series for one served model; thread-safe.
 
@@ -168,9 +192,12 @@ class ServingMetrics:
     - Counters never decrease: a negative value anywhere in a call raises ``ValueError`` before any
       series is touched, so a rejected delta leaves every counter unchanged.
     - ``render()`` returns ``(body, content_type)`` for the ``/metrics`` response.
+    - ``optipipe_stats`` (given only when the OPTIPIPE research door is armed) adds the ``optipipe`` block;
+      without it the series set is exactly the one above.
     """
 
-    def __init__(self, model_name: str, num_spec_tokens: int, *, compat_vllm: bool = False):
+    def __init__(self, model_name: str, num_spec_tokens: int, *, compat_vllm: bool = False,
+                 optipipe_stats: Callable[[], Any] | None = None):
         if num_spec_tokens < 0:
             raise ValueError(f"num_spec_tokens must be >= 0, got {num_spec_tokens}")
         self.model_name = model_name
@@ -247,6 +274,8 @@ class ServingMetrics:
 
         if compat_vllm:
             reg.register(_VllmAlias(aliased))
+        if optipipe_stats is not None:  # the research door is armed
+            reg.register(_OptipipeCounters(optipipe_stats, lv))
 
     # -- speculative decoding -------------------------------------------------------------------------
 

@@ -77,7 +77,9 @@ async def read_request(raw: Request, model: type[_M]) -> _M:
 def parse_body(model: type[_M], body: bytes) -> _M:
     """JSON bytes -> `model`. 400 (code invalid_json) for malformed JSON, invalid UTF-8, a lone surrogate
     escape or nesting deeper than the parser's limit; 400 for a value that fails validation, with param =
-    the offending field's dotted path (pydantic's union-member tags left out)."""
+    the offending field's dotted path (pydantic's union-member tags left out). Validation is strict, as
+    OpenAI's: a JSON value of another type is never coerced ("2" is no number, 0 no boolean, 2.0 no integer),
+    so what the OpenAPI schema rejects the server rejects too."""
     try:
         data = pydantic_core.from_json(body)
     except ValueError as e:
@@ -85,7 +87,7 @@ def parse_body(model: type[_M], body: bytes) -> _M:
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
     try:
-        return model.model_validate(data)
+        return model.model_validate(data, strict=True)
     except ValidationError as e:
         first = e.errors(include_url=False, include_input=False)[0]
         where = _param(data, first["loc"])
@@ -195,6 +197,15 @@ def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
     return docs
 
 
+def _sse_event(chunk: type[BaseModel]) -> dict[str, Any]:
+    """The schema of one server-sent event of a stream (an OpenAPI 3.1 `text/event-stream` schema describes one
+    event): its `data` is a `chunk` or an ErrorResponse as JSON, or the literal `[DONE]`."""
+    payload = {"anyOf": [{"$ref": f"#/components/schemas/{m.__name__}"} for m in (chunk, p.ErrorResponse)]}
+    return {"type": "object", "required": ["data"], "properties": {"data": {"anyOf": [
+        {"const": "[DONE]"},
+        {"type": "string", "contentMediaType": "application/json", "contentSchema": payload}]}}}
+
+
 def _body_route(model: type[BaseModel], response: type[BaseModel], chunk: type[BaseModel] | None = None,
                 stream_doc: str | None = None) -> dict[str, Any]:
     """Route arguments documenting a JSON request body of `model` (parsed by `read_request`, so FastAPI
@@ -204,7 +215,7 @@ def _body_route(model: type[BaseModel], response: type[BaseModel], chunk: type[B
         ok["description"] += stream_doc or (
             f"; with `stream: true` a text/event-stream of `data: <{chunk.__name__} JSON>` events ending with "
             f"`data: [DONE]` (an error mid-stream is a `data: <ErrorResponse JSON>` event)")
-        ok["content"] = {"text/event-stream": {"schema": {"type": "string"}}}
+        ok["content"] = {"text/event-stream": {"schema": _sse_event(chunk)}}
     codes = (400, 401, 404, 408, 413, 429, 500, 503) if chunk is not None else (400, 401, 404, 408, 413, 500)
     return {
         "openapi_extra": {"requestBody": {"required": True, "content": {"application/json": {
@@ -352,7 +363,7 @@ async def _api_error(_: Request, exc: Exception) -> JSONResponse:
 
 async def _http_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
-    return error_response(APIError(exc.status_code, str(exc.detail),
+    return error_response(APIError(exc.status_code, str(exc.detail), headers=exc.headers,  # 405: Allow
                                    code="not_found" if exc.status_code == 404 else None))
 
 

@@ -19,7 +19,7 @@ import logging
 import signal
 import sys
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -153,7 +153,8 @@ def build_server(settings: ServeSettings, model: Any, tokenizer: Any, **worker_k
     assert settings.served_model_name is not None and settings.max_model_len is not None, "resolve settings first"
     k = settings.num_speculative_tokens
     metrics = ServingMetrics(settings.served_model_name, num_spec_tokens=k,
-                             compat_vllm=settings.metrics_compat == "vllm")
+                             compat_vllm=settings.metrics_compat == "vllm",
+                             optipipe_stats=arm_research_door(settings.research_opti_controller_q, k))
     worker = Worker(model, metrics, k=k, p_min=settings.spec_draft_p_min, capmax=settings.spec_capmax,
                     max_num_seqs=settings.max_num_seqs, max_queue=settings.max_queue,
                     max_model_len=settings.max_model_len, max_num_batched_tokens=settings.max_num_batched_tokens,
@@ -175,6 +176,20 @@ def build_server(settings: ServeSettings, model: Any, tokenizer: Any, **worker_k
     worker.start()
     structured.start()  # the grammar tokenizer is built in the background (seconds at the real vocabulary)
     return NextnServer(config, worker, settings, dtype=str(model.config.dtype).removeprefix("torch."))
+
+
+def arm_research_door(q: float | None, k: int) -> Callable[[], Any] | None:
+    """The OPTIPIPE research door (README "Research"), from the settings read once at process start: with a
+    threshold, arm the increment-2 controller, log one line and return the counters' source for the /metrics
+    `optipipe` block; without one (the default) do nothing at all and return None."""
+    if q is None:
+        return None
+    from engine.optipipe import optipipe_gate_stats, set_optipipe_controller_threshold
+
+    set_optipipe_controller_threshold(q)
+    log.warning("research door armed: OPTIPIPE opti controller q=%g (diagnostic only, measured NO-GO)%s", q,
+                "" if k == 1 else f"; K={k}, so every row is refused (OptiFork forks K = 1 greedy rows)")
+    return optipipe_gate_stats
 
 
 def run_server(settings: ServeSettings, model: Any, tokenizer: Any) -> int:

@@ -12,7 +12,8 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PlainValidator, StrictInt, WithJsonSchema, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PlainValidator, StrictInt, StringConstraints, WithJsonSchema,
+                      model_validator)
 
 from engine.spec import SpecSampling
 
@@ -74,6 +75,8 @@ def _check_stop(v: Any) -> Any:
     return v
 
 
+#: A `logit_bias` key: a token id written as a JSON object key (decimal digits; OpenAI's and vLLM's form).
+TokenIdKey = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,10}$")]
 _TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}}
 #: `prompt`: text, texts (one supported), token ids, or lists of token ids; JSON booleans are not token ids.
 Prompt = Annotated[str | list[int] | list[str] | list[list[int]], PlainValidator(_check_prompt), WithJsonSchema({
@@ -156,9 +159,10 @@ class _SamplingFields(OpenAIBaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     user: str | None = Field(None, description="accepted; no effect")
-    logit_bias: dict[int, Annotated[float, Field(ge=LOGIT_BIAS_MIN, le=LOGIT_BIAS_MAX)]] | None = Field(
-        None, max_length=MAX_LOGIT_BIAS, description="token id -> bias added to its logit before sampling "
-                                                      "(-100 bans the token); ids must be in the vocabulary")
+    logit_bias: dict[TokenIdKey, Annotated[float, Field(ge=LOGIT_BIAS_MIN, le=LOGIT_BIAS_MAX)]] | None = Field(
+        None, max_length=MAX_LOGIT_BIAS, description="token id (a decimal string, as JSON keys are) -> bias added "
+                                                      "to its logit before sampling (-100 bans the token); ids must "
+                                                      "be in the vocabulary")
     # --- nextn extras (vLLM's names) ---
     top_k: int = Field(0, ge=-1, description="sample from the k most likely tokens; 0 or -1 = all")
     min_p: float = Field(0.0, ge=0.0, le=1.0, description="drop tokens below min_p * the top probability")
@@ -183,7 +187,11 @@ class _SamplingFields(OpenAIBaseModel):
         return SpecSampling(temperature=self.temperature, seed=self.seed, top_k=max(self.top_k, 0),
                             top_p=self.top_p, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
                             frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
-                            logit_bias=tuple(sorted((self.logit_bias or {}).items())), min_tokens=self.min_tokens)
+                            logit_bias=tuple(sorted(self.logit_bias_ids().items())), min_tokens=self.min_tokens)
+
+    def logit_bias_ids(self) -> dict[int, float]:
+        """`logit_bias` keyed by token id."""
+        return {int(k): v for k, v in (self.logit_bias or {}).items()}
 
     def stop_strings(self) -> list[str]:
         """`stop` as a list without empty strings."""

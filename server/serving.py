@@ -364,7 +364,7 @@ class OpenAIServing:
             raise APIError(400, f"{what} must be <= {self.worker.max_queue} (the admission queue size)", param="n")
         if req.seed is not None and req.seed + req.n - 1 > p.SEED_MAX:
             raise APIError(400, f"seed + n - 1 must be <= {p.SEED_MAX} (choice i uses seed + i)", param="seed")
-        self.check_ids(list(req.logit_bias or {}), "logit_bias")
+        self.check_ids(list(req.logit_bias_ids()), "logit_bias")
         self.check_ids(req.stop_token_ids or [], "stop_token_ids")
 
     def grammar_source(self, req: p.ChatCompletionRequest | p.CompletionRequest, **tools: Any) -> GrammarSource | None:

@@ -118,6 +118,7 @@ class Worker:
         self.session_factory = session_factory
         self.scheduler = Scheduler(model, max_num_seqs=max_num_seqs, max_model_len=max_model_len, k=k,
                                    max_num_batched_tokens=max_num_batched_tokens)
+        log.info("%s", self.scheduler.describe())
         self._cv = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
         self._active: dict[SpecSession, _Active] = {}

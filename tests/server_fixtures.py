@@ -68,6 +68,14 @@ def wait_until(predicate: Any, timeout: float = 10.0, interval: float = 0.02) ->
     return bool(predicate())
 
 
+def http_ready(base: str) -> bool:
+    """`GET base/ready` answers 200 (False while nothing listens yet)."""
+    try:
+        return httpx.get(base + "/ready", timeout=1).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
 class ServerThread:
     """A real nextn server (uvicorn + worker) on 127.0.0.1 in a background thread; a context manager.
 
@@ -126,3 +134,16 @@ class ServerThread:
                 if all(f'{k}="{v}"' in line for k, v in labels.items()):
                     return float(line.rsplit(" ", 1)[1])
         return 0.0
+
+
+def gated_sessions(gate: threading.Event) -> type:
+    """A SpecSession class whose prefill waits for `gate`: it holds the worker (one session active, the rest
+    queued) until the test opens the gate."""
+    from engine.spec import SpecSession
+
+    class GatedSession(SpecSession):
+        def prefill_chunk(self, budget: int) -> int:
+            gate.wait(30)
+            return super().prefill_chunk(budget)
+
+    return GatedSession

@@ -117,3 +117,21 @@ def test_too_large_pool_is_refused_with_the_setting_to_lower(ckpt):
     model = load_model(ckpt)
     with pytest.raises(PoolTooLarge, match="lower --max-num-seqs or --max-model-len"):
         Scheduler(model, max_num_seqs=10**7, max_model_len=4096, k=3, max_num_batched_tokens=512)
+
+
+def test_nextn_serve_refuses_a_pool_that_does_not_fit_in_one_line():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.server_fixtures import free_port
+
+    demo = Path(__file__).resolve().parents[1] / "models" / "demo"
+    exe = Path(sys.executable).with_name("nextn")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NEXTN_")}
+    r = subprocess.run([str(exe), "serve", str(demo), "--port", str(free_port()), "--max-num-seqs", "100000000"],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 1
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("nextn serve: error: the state pool") and "lower --max-num-seqs or --max-model-len" in last

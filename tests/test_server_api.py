@@ -14,7 +14,7 @@ from engine.spec import SpecSession
 from grammar import split_reasoning
 from server.serving import ChoiceState
 from server.worker import JobEvent
-from tests.server_fixtures import API_KEY, ServerThread, tiny_model_and_tokenizer, wait_until
+from tests.server_fixtures import API_KEY, ServerThread, gated_sessions, tiny_model_and_tokenizer, wait_until
 
 #: Completions whose prompt is exactly these ids raise inside `step` after two tokens (test hook).
 FAIL_PROMPT = [5, 5, 5, 5, 5]
@@ -441,12 +441,7 @@ def test_unknown_fields_are_ignored(client, srv, caplog):
 def test_queue_full_gets_429_with_retry_after():
     gate = threading.Event()
 
-    class GatedSession(SpecSession):  # holds the worker in its prefill until the gate opens
-        def prefill_chunk(self, budget: int) -> int:
-            gate.wait(30)
-            return super().prefill_chunk(budget)
-
-    with ServerThread(worker_kw={"session_factory": GatedSession}, max_num_seqs=1, max_queue=1) as s:
+    with ServerThread(worker_kw={"session_factory": gated_sessions(gate)}, max_num_seqs=1, max_queue=1) as s:
         body = {"model": s.model, "prompt": "Hi", "max_tokens": 2}
         done: list[int] = []
         threads = [threading.Thread(target=lambda: done.append(

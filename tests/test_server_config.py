@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from config.settings import DEFAULT_CONFIG_FILE, REPO_ROOT, ServeSettings, SettingsError, load_settings, resolve
 from server.cli import build_parser, settings_from_args
-from tests.server_fixtures import free_port, tiny_checkpoint, wait_until
+from tests.server_fixtures import free_port, http_ready, tiny_checkpoint, wait_until
 
 NEXTN = [sys.executable, "-c", "import sys; from server.cli import main; sys.exit(main())"]
 
@@ -139,13 +139,7 @@ def test_sigterm_drains_then_exits_zero():
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     base = f"http://127.0.0.1:{port}"
     try:
-        def ready() -> bool:
-            try:
-                return httpx.get(base + "/ready", timeout=1).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        assert wait_until(ready, timeout=60), "server did not become ready"
+        assert wait_until(lambda: http_ready(base), timeout=60), "server did not become ready"
         events: list[str] = []
         first = threading.Event()
 

@@ -7,19 +7,13 @@ import threading
 
 import httpx
 
-from engine.spec import SpecSession
-from tests.server_fixtures import ServerThread, wait_until
+from tests.server_fixtures import ServerThread, gated_sessions, wait_until
 
 
 def test_loop_failure_fails_every_job_and_health_turns_503():
     gate = threading.Event()
 
-    class GatedSession(SpecSession):  # holds the worker in its prefill until the gate opens
-        def prefill_chunk(self, budget: int) -> int:
-            gate.wait(30)
-            return super().prefill_chunk(budget)
-
-    with ServerThread(worker_kw={"session_factory": GatedSession}, max_num_seqs=1, max_queue=8) as s:
+    with ServerThread(worker_kw={"session_factory": gated_sessions(gate)}, max_num_seqs=1, max_queue=8) as s:
         body = {"model": s.model, "prompt": "Hi", "max_tokens": 50, "ignore_eos": True, "temperature": 0}
         results: dict[str, object] = {}
 

@@ -1,4 +1,10 @@
-"""Qwen3.5 MoE block: softmax top-k router (renormalised), fused 3-D experts, sigmoid-gated shared expert."""
+"""Qwen3.5 MoE block: softmax top-k router (renormalised), fused 3-D experts, sigmoid-gated shared expert.
+
+On the kernel path (`ops.use_triton`: CUDA with triton) every projection is the batch-invariant Triton matmul, the
+experts run as two grouped matmuls over the routing slots sorted by expert (device-side grouping, no host sync),
+and each token's k expert outputs are combined in routing-slot order by one kernel (`ops.moe_combine`), so a
+token's output never depends on which other tokens share the step.
+"""
 from __future__ import annotations
 
 import torch
@@ -6,6 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import Qwen35Config
+from .ops import dispatch as ops
+from .ops.matmul import group_by_expert
 
 
 #: Largest gathered expert-weight working set (bytes) for the sync-free small-batch MoE path.
@@ -29,6 +37,10 @@ class MLP(nn.Module):
         self._w_gu = fuse_linears([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if ops.use_triton(x):  # kernel path: fused gate|up GEMM, fused SwiGLU
+            gu = ops.linear(x, self._w_gu) if self._w_gu is not None else torch.cat(
+                [ops.linear(x, self.gate_proj.weight), ops.linear(x, self.up_proj.weight)], dim=-1)
+            return ops.linear(ops.silu_mul(gu), self.down_proj.weight)
         if self._w_gu is not None:
             gate, up = F.linear(x, self._w_gu).chunk(2, dim=-1)
             return self.down_proj(F.silu(gate) * up)
@@ -44,9 +56,15 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x, self.weight)  # [N, E]
+        kern = ops.use_triton(x)
+        logits = ops.linear(x, self.weight) if kern else F.linear(x, self.weight)  # [N, E]
         p = torch.softmax(logits, dim=-1, dtype=torch.float32 if x.dtype != torch.float64 else torch.float64)
         w, idx = torch.topk(p, self.top_k, dim=-1)  # [N, k]
+        if kern:  # the k-term sum in slot order (a torch reduction may reorder it with the row count)
+            s = w[:, 0]
+            for j in range(1, self.top_k):
+                s = s + w[:, j]
+            return (w / s[:, None]).to(x.dtype), idx
         w = w / w.sum(dim=-1, keepdim=True)
         return w.to(x.dtype), idx
 
@@ -94,5 +112,20 @@ class SparseMoeBlock(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])  # [N, H]
         w, idx = self.gate(flat)
+        if ops.use_triton(flat):
+            return self._forward_kernels(flat, w, idx).reshape(shape)
         y = self.experts(flat, w, idx) + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return y.reshape(shape)
+
+    def _forward_kernels(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Kernel path, x [N, H]: routing slots sorted by expert on the device, gate|up and down as grouped
+        matmuls, then one combine kernel (slot order) that also adds the sigmoid-gated shared expert."""
+        N, k = idx.shape
+        ex = self.experts
+        order, offsets = group_by_expert(idx, ex.gate_up_proj.shape[0])  # [N*k], [E+1]
+        gu = ops.grouped_linear(x, ex.gate_up_proj, offsets, order // k)  # [N*k, 2Im], sorted by expert
+        y = ops.grouped_linear(ops.silu_mul(gu), ex.down_proj, offsets)  # [N*k, H], sorted
+        inv = torch.empty_like(order)
+        inv[order] = torch.arange(order.numel(), device=order.device)  # routing slot -> sorted row
+        shared_gate = ops.linear(x, self.shared_expert_gate.weight)  # [N, 1]
+        return ops.moe_combine(y, inv, w.contiguous(), self.shared_expert(x), shared_gate)

@@ -12,6 +12,15 @@ zero-centred (1+w) RMSNorm. One forward handles three cases, chosen by the calle
     O(1) (it only chooses which slot is live).
 Rows of one forward are independent sequences in different pool slots; each row's attention runs over its own
 cached keys, the GDN recurrence and every projection are row-wise.
+
+Two implementations of the same math, chosen per tensor by `ops.use_triton` (CUDA with triton installed):
+  * the torch path (CPU): F.linear, SDPA per row, the torch GDN recurrence; unchanged by the kernel path;
+  * the kernel path: every linear (the fused projections, the LM head with fp32 logits, the MoE experts grouped
+    by expert) is the batch-invariant Triton matmul, norms and activations are fused row-wise kernels, and a
+    step forward (decode, verify, MTP draft) built with `FwdCtx.from_tensors` runs attention over the pool and
+    the GDN conv + recurrent update as kernels on device tensors only (no host values), so it can be captured
+    in a CUDA graph (engine/graphs.py). A row's outputs then do not depend on the other rows nor on T
+    (pool_layout.md). Prefill chunks keep a host `FwdCtx` (chunked GDN, SDPA; shared by spec and plain).
 """
 from __future__ import annotations
 
@@ -53,6 +62,11 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         return ops.gated_rms_norm(x, z, self.weight, self.eps)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w^T: the batch-invariant kernel on the kernel path, F.linear on the torch path."""
+    return ops.linear(x, w) if ops.use_triton(x) else F.linear(x, w)
 
 
 def fuse_linears(linears: list[nn.Linear]) -> torch.Tensor:
@@ -107,20 +121,25 @@ class FwdCtx:
     Row i's T new tokens sit at positions pos0[i].. of pool slot slots[i]. GDN layers read the state in window
     slot read[i]; with record=True the state after token t goes to window slot write0[i] + t, else only the final
     state goes to write0[i]. Rows shorter than T are padding at the end (their extra outputs are ignored; their
-    K/V land past the row's length and their states in window slots that are never made live)."""
+    K/V land past the row's length and their states in window slots that are never made live).
 
-    slots: list[int]
-    pos0: list[int]
-    read: list[int]
-    write0: list[int]
+    `from_tensors` builds the kernel path's step context instead: device tensors only (the host lists are None),
+    `kernels` True, record semantics with write0 = 0 (the pool layout's step contract)."""
+
+    slots: list[int] | None
+    pos0: list[int] | None
+    read: list[int] | None
+    write0: list[int] | None
     T: int
     record: bool
     slot_t: torch.Tensor  # [N] long
     read_t: torch.Tensor  # [N] long
-    write_t: torch.Tensor  # [N, T] long (record) or [N] long
-    kv_slot: torch.Tensor  # [N*T] long: pool slot of each new token
-    kv_pos: torch.Tensor  # [N*T] long: its position
+    write_t: torch.Tensor | None  # [N, T] long (record) or [N] long
+    kv_slot: torch.Tensor | None  # [N*T] long: pool slot of each new token
+    kv_pos: torch.Tensor | None  # [N*T] long: its position
     rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin [N, T, R]
+    pos0_t: torch.Tensor | None = None  # [N] long (kernel path)
+    kernels: bool = False  # a `from_tensors` step context: attention and GDN run as kernels over the pool
 
     @classmethod
     def make(cls, cfg, device: torch.device | str, dtype: torch.dtype, slots: list[int], pos0: list[int],
@@ -135,6 +154,20 @@ class FwdCtx:
         cos, sin = rope_table(cfg, max(pos0) + T, device, dtype)
         return cls(slots, pos0, read, write0, T, record, slot_t, torch.tensor(read, device=device), write_t,
                    slot_t.repeat_interleave(T), positions.reshape(N * T), (cos[positions], sin[positions]))
+
+    @classmethod
+    def from_tensors(cls, slot: torch.Tensor, pos0: torch.Tensor, cur: torch.Tensor, T: int,
+                     rope_tab: tuple[torch.Tensor, torch.Tensor]) -> FwdCtx:
+        """Kernel-path step context from device tensors alone (capturable in a CUDA graph: no host values).
+
+        slot, pos0, cur [N] long: row i's pool slot, the position of its first new token, its live GDN window slot.
+        GDN layers read window slot cur[i] and write the state after token t to window slot t (pool_layout.md);
+        attention writes K/V at pos0[i] + t. rope_tab: `rope_table(...)` covering every position used (the pool's
+        capacity), gathered here on the device."""
+        positions = pos0[:, None] + torch.arange(T, device=pos0.device)  # [N, T]
+        cos, sin = rope_tab
+        return cls(None, None, None, None, T, True, slot, cur, None, None, None, (cos[positions], sin[positions]),
+                   pos0, True)
 
 
 class GatedAttention(nn.Module):
@@ -161,21 +194,26 @@ class GatedAttention(nn.Module):
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """x: [N, T, H] -> [N, T, H]. Without `ctx`: causal self-attention over each row (`rope` = tables for
         positions 0..T-1). With `ctx` and `kv`: row i's K/V are written at kv[slot_i, pos0_i..] and its queries
-        attend its own cached keys [0, pos0_i + t]."""
+        attend its own cached keys [0, pos0_i + t] (a kernel-path step context: the pool attention kernel)."""
         N, T, _ = x.shape
         nq, nk = 2 * self.nh * self.hd, self.nkv * self.hd
         if self._w_qkv is not None:
-            qg, k, v = F.linear(x, self._w_qkv).split([nq, nk, nk], dim=-1)
+            qg, k, v = linear(x, self._w_qkv).split([nq, nk, nk], dim=-1)
         else:
-            qg, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            qg, k, v = linear(x, self.q_proj.weight), linear(x, self.k_proj.weight), linear(x, self.v_proj.weight)
         qg = qg.view(N, T, self.nh, 2 * self.hd)
-        q, gate = qg[..., : self.hd], qg[..., self.hd:].reshape(N, T, self.nh * self.hd)
+        q, gate = qg[..., : self.hd], qg[..., self.hd:]  # [N, T, nh, hd] each (views)
         q = self.q_norm(q)  # [N, T, nh, hd]
         k = self.k_norm(k.reshape(N, T, self.nkv, self.hd))  # [N, T, nkv, hd]
         v = v.reshape(N, T, self.nkv, self.hd)
         cos, sin = ctx.rope if ctx is not None else rope
         q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
         gqa = self.nh != self.nkv
+        if ctx is not None and ctx.kernels:
+            assert kv is not None
+            ops.write_kv(kv.k, kv.v, k, v, ctx.slot_t, ctx.pos0_t)
+            o = ops.attention(q, kv.k, kv.v, ctx.slot_t, ctx.pos0_t, self.hd ** -0.5, gate)  # gated, [N, T, nh, hd]
+            return linear(o.reshape(N, T, self.nh * self.hd), self.o_proj.weight)
         if ctx is None or kv is None:
             o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                is_causal=T > 1, scale=self.hd ** -0.5, enable_gqa=gqa)
@@ -199,7 +237,8 @@ class GatedAttention(nn.Module):
                                                     scale=self.hd ** -0.5, enable_gqa=gqa)  # [1, nh, T, hd]
                 outs.append(oi[0].transpose(0, 1))
             o = torch.stack(outs)  # [N, T, nh, hd]
-        return self.o_proj(o.reshape(N, T, self.nh * self.hd) * torch.sigmoid(gate))
+        gate = gate.reshape(N, T, self.nh * self.hd)
+        return linear(o.reshape(N, T, self.nh * self.hd) * torch.sigmoid(gate), self.o_proj.weight)
 
 
 class GatedDeltaNet(nn.Module):
@@ -228,8 +267,14 @@ class GatedDeltaNet(nn.Module):
         """Serve with one input GEMM for qkv|z|b|a (the separate weights become views of it), and the decay's
         constant factors -exp(A_log), dt_bias in the state dtype computed once."""
         self._w_in = fuse_linears([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
+        self._decay = self._decay_consts()
+
+    def _decay_consts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """-exp(A_log), dt_bias in the state dtype (fp32; fp64 for fp64 models)."""
+        if self._decay is not None:
+            return self._decay
         sdt = torch.float64 if self.A_log.dtype == torch.float64 else torch.float32
-        self._decay = (-self.A_log.detach().to(sdt).exp(), self.dt_bias.detach().to(sdt))
+        return -self.A_log.detach().to(sdt).exp(), self.dt_bias.detach().to(sdt)
 
     def forward(self, x: torch.Tensor, ctx: FwdCtx | None, st: "GdnPool | None") -> torch.Tensor:
         """x: [N, T, H] -> [N, T, H]. Without `ctx`: zero initial state, chunked form. With `ctx`: conv and
@@ -239,11 +284,15 @@ class GatedDeltaNet(nn.Module):
         dt = x.dtype
         sdt = torch.float64 if dt == torch.float64 else torch.float32
         if self._w_in is not None:
-            qkv, z, b, a = F.linear(x, self._w_in).split(self._split, dim=-1)
+            qkv, z, b, a = linear(x, self._w_in).split(self._split, dim=-1)
         else:
-            qkv, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+            qkv, z, b, a = (linear(x, m.weight) for m in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b,
+                                                          self.in_proj_a))
         z = z.reshape(N, T, self.nv, self.dv)
         w = self.conv1d.weight[:, 0, :]  # [C, Kc]
+        if ctx is not None and ctx.kernels:
+            assert st is not None
+            return self._step_kernels(qkv, z, b, a, w, ctx, st)
         live = ctx is not None and st is not None
         if live and N == 1:  # one row: read the live slot through a view (no gather)
             conv_state = st.conv[ctx.slots[0], ctx.read[0]][None]
@@ -258,7 +307,7 @@ class GatedDeltaNet(nn.Module):
         q, k = qk[:, :, :self.nk] * (self.dk ** -0.5), qk[:, :, self.nk:]
         v = y[..., 2 * Kd:].reshape(N, T, self.nv, self.dv).to(sdt)
         beta = torch.sigmoid(b).to(sdt)
-        neg_a, dt_bias = self._decay if self._decay is not None else (-self.A_log.to(sdt).exp(), self.dt_bias.to(sdt))
+        neg_a, dt_bias = self._decay_consts()
         g = neg_a * F.softplus(a.to(sdt) + dt_bias)  # [N, T, nv] log decay
         r = self.nv // self.nk
         if r > 1:
@@ -268,14 +317,16 @@ class GatedDeltaNet(nn.Module):
         elif ctx.record:
             # [N, nv, dk, dv]; every step makes a new tensor, so writing slot t never clobbers the state read
             s = st.rec[ctx.slots[0], ctx.read[0]][None] if N == 1 else st.rec[ctx.slot_t, ctx.read_t]
-            outs = []
+            outs, states = [], []
             for t in range(T):
                 o_t, s = gdn_recurrent_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], s)
                 if N == 1:
                     st.rec[ctx.slots[0], ctx.write0[0] + t] = s[0]
                 else:
-                    st.rec[ctx.slot_t, ctx.write_t[:, t]] = s
+                    states.append(s)
                 outs.append(o_t)
+            if states:  # every row's per-position states in one write
+                st.rec[ctx.slot_t[:, None], ctx.write_t] = torch.stack(states, dim=1)  # [N, T, nv, dk, dv]
             o = torch.stack(outs, dim=1) if T > 1 else outs[0][:, None]  # [N, T, nv, dv]
             # conv state after token t = window[..., t+1 : t+Kc]: all T of them in one strided write
             states = window.unfold(-1, self.kc - 1, 1)[:, :, 1:T + 1].permute(0, 2, 1, 3)  # [N, T, C, Kc-1]
@@ -297,7 +348,23 @@ class GatedDeltaNet(nn.Module):
                 st.rec[ctx.slot_t, ctx.write_t] = s
                 st.conv[ctx.slot_t, ctx.write_t] = window[..., T:]
         o = self.norm(o.to(dt), z)  # [N, T, nv, dv]
-        return self.out_proj(o.reshape(N, T, self.nv * self.dv))
+        return linear(o.reshape(N, T, self.nv * self.dv), self.out_proj.weight)
+
+    def _step_kernels(self, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, w: torch.Tensor,
+                      ctx: FwdCtx, st: "GdnPool") -> torch.Tensor:
+        """Kernel-path step: conv update and the GDN recurrence over the pool, reading window slot cur[i] and
+        writing the state after token t to window slot t; the same per-token update for every T."""
+        N, T, _ = qkv.shape
+        y = ops.conv_update(qkv, st.conv, w, ctx.slot_t, ctx.read_t)  # [N, T, C] after SiLU
+        Kd = self.nk * self.dk
+        q = y[..., :Kd].view(N, T, self.nk, self.dk)
+        k = y[..., Kd:2 * Kd].view(N, T, self.nk, self.dk)
+        v = y[..., 2 * Kd:].view(N, T, self.nv, self.dv)
+        g, beta = ops.gdn_gates(a, b, *self._decay_consts())  # [N, T, nv] fp32 each
+        o = ops.gdn_update(q, k, v, g, beta, st.rec, ctx.slot_t, ctx.read_t, qk_l2norm=True,
+                           out_dtype=qkv.dtype)  # [N, T, nv, dv]
+        o = self.norm(o, z)
+        return linear(o.reshape(N, T, self.nv * self.dv), self.out_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -350,7 +417,8 @@ class MtpHead(nn.Module):
     def forward(self, emb: torch.Tensor, hidden: torch.Tensor, ctx: FwdCtx | None, kv: "KVPool | None",
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """emb, hidden: [N, T, H] (embedding of token i+1, trunk hidden of row i) -> head hidden after mtp.norm."""
-        x = self.fc(torch.cat([self.pre_fc_norm_embedding(emb), self.pre_fc_norm_hidden(hidden)], dim=-1))
+        x = linear(torch.cat([self.pre_fc_norm_embedding(emb), self.pre_fc_norm_hidden(hidden)], dim=-1),
+                   self.fc.weight)
         x = self.layers[0](x, ctx, kv, rope)
         return self.norm(x)
 
@@ -404,9 +472,13 @@ class Qwen35ForCausalLM(nn.Module):
         cache.cur = write0 + T - 1 if record else write0
         return h
 
-    def logits(self, h_post: torch.Tensor) -> torch.Tensor:
-        """Post-norm hidden [..., H] -> fp32 logits [..., V]."""
-        return self.lm_head(h_post).float()
+    def logits(self, h_post: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Post-norm hidden [..., H] -> fp32 logits [..., V] (kernel path: the batch-invariant matmul, fp32 out,
+        written into `out` when given)."""
+        if ops.use_triton(h_post):
+            return ops.linear(h_post, self.lm_head.weight, out_dtype=torch.float32, out=out)
+        y = self.lm_head(h_post).float()
+        return y if out is None else out.copy_(y)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Cache-free causal forward (training / oracle): ids [B, T] -> logits [B, T, V]."""

@@ -2,12 +2,20 @@
 
 CPU (and CUDA without triton) always runs the twins, so this module imports and works without triton.
 The kernels' contracts (batch invariance, pool layout, what the caller passes) are in their modules:
-matmul.py, attention.py, gdn_update.py, norm.py, sample.py.
+matmul.py, attention.py, gdn_update.py, norm.py, sample.py, act.py.
+
+Tests only: `force_kernels()` makes `use_triton` true for CPU tensors too, so the model's whole kernel path
+(engine/model/qwen35.py, moe.py, engine/graphs.py) runs on a CPU under TRITON_INTERPRET=1. Nothing in the serving
+path enters it; outside it, CPU tensors always take the torch path.
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
+from . import act as _act
 from . import attention as _attn
 from . import gdn_update as _gdn
 from . import matmul as _mm
@@ -15,19 +23,44 @@ from . import norm as _norm
 from . import sample as _sample
 from ._triton import HAS_TRITON
 
-__all__ = ["HAS_TRITON", "use_triton", "linear", "grouped_linear", "rms_norm", "add_rms_norm", "gated_rms_norm",
-           "attention", "gdn_update", "conv_update", "argmax", "sample"]
+__all__ = ["HAS_TRITON", "use_triton", "force_kernels", "linear", "grouped_linear", "rms_norm", "add_rms_norm",
+           "gated_rms_norm", "attention", "write_kv", "gdn_update", "conv_update", "gdn_gates", "silu_mul",
+           "moe_combine", "argmax", "sample"]
+
+_FORCED = False
 
 
 def use_triton(t: torch.Tensor) -> bool:
-    """Whether ops on `t` run the Triton kernels: triton importable and t on a CUDA device."""
-    return HAS_TRITON and t.is_cuda
+    """Whether ops on `t` run the Triton kernels: triton importable and t on a CUDA device (or, inside the
+    test-only `force_kernels()`, on any device)."""
+    return HAS_TRITON and (t.is_cuda or _FORCED)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x [..., K] @ w [N, K]^T -> [..., N] (batch-invariant on CUDA; the LM head passes out_dtype=fp32)."""
+@contextlib.contextmanager
+def force_kernels() -> Iterator[None]:
+    """TEST ONLY: run the Triton kernels (and the model's kernel path) on CPU tensors, under TRITON_INTERPRET=1
+    (set before the kernel modules are imported; tests/conftest.py does). Not reentrant-safe across threads."""
+    global _FORCED
+    if not HAS_TRITON:
+        raise RuntimeError("force_kernels() needs triton (pip install triton)")
+    prev, _FORCED = _FORCED, True
+    try:
+        yield
+    finally:
+        _FORCED = prev
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ w [N, K]^T -> [..., N] (batch-invariant on CUDA; the LM head passes out_dtype=fp32).
+    `out`: a contiguous [..., N] buffer to write (a CUDA graph's static logits)."""
     x2 = x.reshape(-1, x.shape[-1])
-    y = (_mm.matmul if use_triton(x) else _mm.matmul_ref)(x2, w, out_dtype)
+    out2 = None if out is None else out.view(-1, w.shape[0])
+    if use_triton(x):
+        y = _mm.matmul(x2, w, out_dtype, out=out2)
+    else:
+        y = _mm.matmul_ref(x2, w, out_dtype)
+        y = y if out2 is None else out2.copy_(y)
     return y.view(*x.shape[:-1], w.shape[0])
 
 
@@ -55,16 +88,38 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slo
     return (_attn.attention if use_triton(q) else _attn.attention_ref)(q, k_cache, v_cache, slot, pos0, scale, gate)
 
 
+write_kv = _attn.write_kv  # device-side scatter (torch on every device)
+
+
 def gdn_update(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-               rec: torch.Tensor, slot: torch.Tensor, cur: torch.Tensor, qk_l2norm: bool = False) -> torch.Tensor:
-    fn = _gdn.gdn_update if use_triton(q) else _gdn.gdn_update_ref
-    return fn(q, k, v, g, beta, rec, slot, cur, qk_l2norm=qk_l2norm)
+               rec: torch.Tensor, slot: torch.Tensor, cur: torch.Tensor, qk_l2norm: bool = False,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """o [N, T, nv, dv] in out_dtype (default rec's dtype); writes rec[slot, t] (gdn_update.py)."""
+    if use_triton(q):
+        return _gdn.gdn_update(q, k, v, g, beta, rec, slot, cur, qk_l2norm=qk_l2norm,
+                               out_dtype=out_dtype or rec.dtype)
+    o = _gdn.gdn_update_ref(q, k, v, g, beta, rec, slot, cur, qk_l2norm=qk_l2norm)
+    return o if out_dtype is None else o.to(out_dtype)
 
 
 def conv_update(x: torch.Tensor, conv: torch.Tensor, weight: torch.Tensor, slot: torch.Tensor,
                 cur: torch.Tensor) -> torch.Tensor:
     fast = use_triton(x) and weight.shape[-1] == 4  # the kernel is written for Kc == 4 (every Qwen3.5 config)
     return (_gdn.conv_update if fast else _gdn.conv_update_ref)(x, conv, weight, slot, cur)
+
+
+def gdn_gates(a: torch.Tensor, b: torch.Tensor, neg_a: torch.Tensor,
+              dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return (_act.gdn_gates if use_triton(a) else _act.gdn_gates_ref)(a, b, neg_a, dt_bias)
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    return (_act.silu_mul if use_triton(gu) else _act.silu_mul_ref)(gu)
+
+
+def moe_combine(y: torch.Tensor, inv: torch.Tensor, w: torch.Tensor, shared: torch.Tensor,
+                shared_gate: torch.Tensor) -> torch.Tensor:
+    return (_act.moe_combine if use_triton(y) else _act.moe_combine_ref)(y, inv, w, shared, shared_gate)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:

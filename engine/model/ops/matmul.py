@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import HAS_TRITON, cdiv, check_triton, tl, triton
+from ._triton import HAS_TRITON, INTERPRET, cdiv, check_triton, tl, triton
 
-BLOCK_M = 64  # dense: every row of a decode/verify batch (<= 64 rows) shares one weight pass
+BLOCK_M = 16 if INTERPRET else 64  # dense: every row of a decode/verify batch (<= 64 rows) shares one weight
+# pass; a row's result never depends on BLOCK_M, and the interpreter pays for every padded row
 BLOCK_M_GROUPED = 16  # MoE: a few rows per expert
 BLOCK_N = 64
 BLOCK_K = 64

@@ -12,7 +12,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._triton import HAS_TRITON, check_triton, tl, triton
+from ._triton import HAS_TRITON, INTERPRET, cdiv, check_triton, tl, triton
+
+ROWS_PER_PROGRAM = 16 if INTERPRET else 1  # the interpreter pays per program; a GPU wants one row per program
 
 
 def _f(x: torch.Tensor) -> torch.Tensor:
@@ -44,21 +46,22 @@ def gated_rms_norm_ref(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: f
 if HAS_TRITON:
     from ._triton import cast_rn
 
-    @triton.jit
-    def _rms_norm_kernel(x, res, w, y, s_out, z, H, eps, sx, sr, sy, ss, sz,
-                         BLOCK: tl.constexpr, MODE: tl.constexpr, RESIDUAL: tl.constexpr):
-        """MODE 0: (1 + w) RMSNorm; MODE 1: gated (plain w, times silu(z))."""
-        row = tl.program_id(0).to(tl.int64)
-        c = tl.arange(0, BLOCK)
-        ok = c < H
+    @triton.jit(do_not_specialize=["n_rows"])
+    def _rms_norm_kernel(x, res, w, y, s_out, z, H, eps, sx, sr, sy, ss, sz, n_rows,
+                         BLOCK: tl.constexpr, MODE: tl.constexpr, RESIDUAL: tl.constexpr, ROWS: tl.constexpr):
+        """MODE 0: (1 + w) RMSNorm; MODE 1: gated (plain w, times silu(z)). A [ROWS, BLOCK] tile, each row
+        reduced on its own (ROWS > 1 only under the interpreter, whose cost is per program and per op)."""
+        row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]  # [ROWS, 1]
+        c = tl.arange(0, BLOCK)[None, :]  # [1, BLOCK]
+        ok = (c < H) & (row < n_rows)
         xv = tl.load(x + row * sx + c, mask=ok, other=0.0)
         if RESIDUAL:
             xv = cast_rn(xv.to(tl.float32) + tl.load(res + row * sr + c, mask=ok, other=0.0).to(tl.float32),
-                    x.dtype.element_ty)
+                         x.dtype.element_ty)
             tl.store(s_out + row * ss + c, xv, mask=ok)
         xf = xv.to(tl.float32)
-        n = xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / H + eps)
-        wv = tl.load(w + c, mask=ok, other=0.0)
+        n = xf * tl.rsqrt(tl.sum(xf * xf, axis=1)[:, None] / H + eps)
+        wv = tl.load(w + c, mask=c < H, other=0.0)
         if MODE == 0:
             out = n * (1.0 + wv.to(tl.float32))
         else:
@@ -89,10 +92,13 @@ def _launch(x: torch.Tensor, w: torch.Tensor, eps: float, mode: int, res: torch.
     s = (out_sum if out_sum is not None else torch.empty_like(y)) if res is not None else None
     s2 = s.view(-1, H) if s is not None else y2
     z2 = _rows(z) if z is not None else x2
-    if x2.shape[0]:
-        _rms_norm_kernel[(x2.shape[0],)](x2, r2, w, y2, s2, z2, H, eps, x2.stride(0), r2.stride(0), y2.stride(0),
-                                         s2.stride(0), z2.stride(0), BLOCK=triton.next_power_of_2(H), MODE=mode,
-                                         RESIDUAL=res is not None, num_warps=4 if H <= 2048 else 8)
+    n = x2.shape[0]
+    if n:
+        _rms_norm_kernel[(cdiv(n, ROWS_PER_PROGRAM),)](x2, r2, w, y2, s2, z2, H, eps, x2.stride(0), r2.stride(0),
+                                                       y2.stride(0), s2.stride(0), z2.stride(0), n,
+                                                       BLOCK=triton.next_power_of_2(H), MODE=mode,
+                                                       RESIDUAL=res is not None, ROWS=ROWS_PER_PROGRAM,
+                                                       num_warps=4 if H <= 2048 else 8)
     return y, s
 
 

@@ -1,0 +1,229 @@
+"""How the batched round runs its forwards: eagerly, or replayed as CUDA graphs per batch-size bucket.
+
+A speculative round (engine/spec.py `spec_round`) runs two kinds of forward, both through a step runner:
+  * `verify(model, pool, tokens [N, T], slots, pos0, cur)` -> (pre, post [N, T, H], logits [N, T, V] fp32):
+    one trunk forward over N rows x T tokens that records the GDN state after every token in window slot t
+    (T = 1 is plain decode), then the final norm and the logits of every column;
+  * `draft(model, pool, tokens [A, T], hidden [A, T, H], slots, pos0, last)` -> (h [A, 1, H], logits [A, V]):
+    one MTP head forward (depth 0 writes each row's queued rows, chained depths have T = 1), the head hidden
+    of row a's token last[a] (None: its only token) and its fp32 draft logits.
+Rows are host lists (slots, pos0, cur, last), known on the host before the round starts.
+
+`EagerRunner` (CPU; CUDA sessions run without a scheduler) runs the forward as is: on the torch path (CPU) with
+the host `FwdCtx` the round always used, on the kernel path with a device-only `FwdCtx.from_tensors`.
+
+`GraphRunner` (the scheduler's, on CUDA) keeps static input buffers and one CUDA graph per (kind, bucket B, T),
+captured lazily: the first call of a key runs eagerly (it compiles the kernels and does that call's real work),
+then the same body is captured, which records without executing, so live sessions' state is never touched.
+N rows run in the smallest bucket B >= N; the B - N padding rows point at scratch pool slots of their own
+(reserved by the scheduler, never a session's) at position 0 with live window slot 0, so their K/V and GDN
+writes land in dead memory and every real row's result is bitwise what it is without them (the kernels'
+batch invariance). A call costs one host-to-device copy of the row indices and no host sync. On a CPU the
+same runner executes its bodies eagerly (tests drive it under `ops.force_kernels()`).
+Outputs: logits are views of one static buffer, valid until the runner's next call; pre/post are copies
+(sessions keep them as the next round's MTP carriers); the draft hidden is a view, valid until the next call.
+All graphs share one memory pool: outputs are consumed before the next replay, so aliasing between one
+graph's outputs and a later graph's intermediates is harmless.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+
+from .cache import StatePool
+from .model.ops import dispatch as ops
+from .model.qwen35 import FwdCtx, Qwen35ForCausalLM, rope_table
+
+Verify = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # pre, post [N, T, H]; logits [N, T, V] fp32
+Draft = tuple[torch.Tensor, torch.Tensor]  # head hidden [A, 1, H]; logits [A, V] fp32
+
+
+class StepRunner(Protocol):
+    def verify(self, model: Qwen35ForCausalLM, pool: StatePool, tokens: torch.Tensor, slots: list[int],
+               pos0: list[int], cur: list[int]) -> Verify: ...
+
+    def draft(self, model: Qwen35ForCausalLM, pool: StatePool, tokens: torch.Tensor, hidden: torch.Tensor,
+              slots: list[int], pos0: list[int], last: list[int] | None) -> Draft: ...
+
+
+def graph_buckets(max_rows: int) -> list[int]:
+    """Batch-size buckets for 1..max_rows rows: 1, 2, 4, 8, every multiple of 8 below max_rows, and max_rows."""
+    return sorted({b for b in (1, 2, 4) if b < max_rows} | set(range(8, max_rows, 8)) | {max_rows})
+
+
+def padding_rows(buckets: list[int]) -> int:
+    """The most padding rows any row count needs with these buckets (= scratch pool slots to reserve)."""
+    most, prev = 0, 0
+    for b in sorted(buckets):
+        most, prev = max(most, b - prev - 1), b
+    return most
+
+
+def _kernel_path(model: Qwen35ForCausalLM) -> bool:
+    return ops.use_triton(model.lm_head.weight)
+
+
+def _rope(model: Qwen35ForCausalLM, pool: StatePool) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE tables covering every position of the pool (a step context gathers from them on the device)."""
+    return rope_table(model.config, pool.capacity, model.lm_head.weight.device, pool.dtype)
+
+
+def _host_index(*cols: list[int], device: torch.device) -> torch.Tensor:
+    """[len(cols), N] long from host lists, in pinned memory when bound for a GPU (an asynchronous copy)."""
+    return torch.tensor(cols, dtype=torch.long, pin_memory=device.type == "cuda")
+
+
+class EagerRunner:
+    """The round's forwards run as they are (no static buffers, no padding)."""
+
+    def verify(self, model: Qwen35ForCausalLM, pool: StatePool, tokens: torch.Tensor, slots: list[int],
+               pos0: list[int], cur: list[int]) -> Verify:
+        N, T = tokens.shape
+        if _kernel_path(model):
+            ix = _host_index(slots, pos0, cur, device=tokens.device).to(tokens.device, non_blocking=True)
+            ctx = FwdCtx.from_tensors(ix[0], ix[1], ix[2], T, _rope(model, pool))
+        else:
+            ctx = FwdCtx.make(model.config, tokens.device, pool.dtype, slots, pos0, cur, [0] * N, T, True)
+        pre = model.forward_step(tokens, ctx, pool)  # [N, T, H]
+        post = model.model.norm(pre)
+        return pre, post, model.logits(post)
+
+    def draft(self, model: Qwen35ForCausalLM, pool: StatePool, tokens: torch.Tensor, hidden: torch.Tensor,
+              slots: list[int], pos0: list[int], last: list[int] | None) -> Draft:
+        A, T = tokens.shape
+        dev = tokens.device
+        if _kernel_path(model):
+            ix = _host_index(slots, pos0, device=dev).to(dev, non_blocking=True)
+            ctx = FwdCtx.from_tensors(ix[0], ix[1], torch.zeros_like(ix[0]), T, _rope(model, pool))
+        else:
+            ctx = FwdCtx.make(model.config, dev, pool.dtype, slots, pos0, [0] * A, [0] * A, T, False)
+        hm = model.mtp_forward(tokens, hidden, ctx, pool.mtp)  # [A, T, H]
+        h = hm if last is None else hm[torch.arange(A, device=dev), torch.tensor(last, device=dev)][:, None]
+        return h, model.logits(h[:, 0])
+
+
+EAGER = EagerRunner()
+
+
+@dataclass
+class _Step:
+    """Static buffers of one (kind, B, T) step and its graph."""
+
+    ix: torch.Tensor  # [4, B] long: pool slot, pos0, live window slot (verify), last row (draft)
+    tokens: torch.Tensor  # [B, T] long
+    hidden: torch.Tensor | None  # [B, T, H] model dtype (draft)
+    out: tuple[torch.Tensor, ...] = ()
+    graph: "torch.cuda.CUDAGraph | None" = None
+
+
+class GraphRunner:
+    """Static buffers + CUDA graphs of the round's forwards for one model and one state pool (module docstring).
+
+    buckets: the batch sizes graphs are kept for (the scheduler's, e.g. `graph_buckets(max_num_seqs)`);
+    scratch: pool slots no session ever holds, at least `padding_rows(buckets)` of them. Row counts above the
+    largest bucket, T above the pool's window, or another model / pool run eagerly."""
+
+    def __init__(self, model: Qwen35ForCausalLM, pool: StatePool, buckets: list[int], scratch: list[int]):
+        if len(scratch) < padding_rows(buckets):
+            raise ValueError(f"buckets {buckets} need {padding_rows(buckets)} scratch slots, got {len(scratch)}")
+        self.model, self.pool = model, pool
+        self.buckets = sorted(buckets)
+        self.scratch = list(scratch)
+        self.device = model.lm_head.weight.device
+        self.capture = self.device.type == "cuda"
+        self.rope = _rope(model, pool)  # held: captured graphs read it
+        V = model.config.vocab_size
+        self.logits = torch.empty(self.buckets[-1] * pool.window, V, dtype=torch.float32, device=self.device)
+        self._steps: dict[tuple[str, int, int], _Step] = {}
+        self._mempool = torch.cuda.graph_pool_handle() if self.capture else None
+
+    @property
+    def num_graphs(self) -> int:
+        return sum(s.graph is not None for s in self._steps.values())
+
+    def bucket(self, n: int) -> int | None:
+        """The smallest bucket holding n rows (None: more rows than the largest bucket)."""
+        return next((b for b in self.buckets if b >= n), None)
+
+    def _ours(self, model: Qwen35ForCausalLM, pool: StatePool, n: int, T: int) -> int | None:
+        if model is not self.model or pool is not self.pool or T > pool.window:
+            return None
+        return self.bucket(n)
+
+    def verify(self, model: Qwen35ForCausalLM, pool: StatePool, tokens: torch.Tensor, slots: list[int],
+               pos0: list[int], cur: list[int]) -> Verify:
+        N, T = tokens.shape
+        B = self._ours(model, pool, N, T)
+        if B is None:
+            return EAGER.verify(model, pool, tokens, slots, pos0, cur)
+        st = self._load("verify", B, tokens, None, slots, pos0, cur, [0] * N)
+        pre, post, logits = self._run(st, self._verify_body)
+        return pre[:N].clone(), post[:N].clone(), logits[:N]
+
+    def draft(self, model: Qwen35ForCausalLM, pool: StatePool, tokens: torch.Tensor, hidden: torch.Tensor,
+              slots: list[int], pos0: list[int], last: list[int] | None) -> Draft:
+        A, T = tokens.shape
+        B = self._ours(model, pool, A, T)
+        if B is None:
+            return EAGER.draft(model, pool, tokens, hidden, slots, pos0, last)
+        st = self._load("draft", B, tokens, hidden, slots, pos0, [0] * A, last if last is not None else [0] * A)
+        h, logits = self._run(st, self._draft_body)
+        return h[:A], logits[:A]
+
+    # ------------------------------------------------------------------ internals
+    def _load(self, kind: str, B: int, tokens: torch.Tensor, hidden: torch.Tensor | None, slots: list[int],
+              pos0: list[int], cur: list[int], last: list[int]) -> _Step:
+        """Copy a call's rows into the static buffers of (kind, B, T); the B - N padding rows get scratch slots,
+        position 0, window slot 0, token 0 (one host-to-device copy for the indices)."""
+        N, T = tokens.shape
+        pad = B - N
+        st = self._step(kind, B, T)
+        st.tokens[:N].copy_(tokens)  # padding rows keep token 0
+        if hidden is not None:
+            assert st.hidden is not None
+            st.hidden[:N].copy_(hidden)
+        z = [0] * pad
+        st.ix.copy_(_host_index(slots + self.scratch[:pad], pos0 + z, cur + z, last + z, device=self.device),
+                    non_blocking=True)
+        return st
+
+    def _step(self, kind: str, B: int, T: int) -> _Step:
+        st = self._steps.get((kind, B, T))
+        if st is None:
+            dev, H = self.device, self.model.config.hidden_size
+            hidden = torch.zeros(B, T, H, dtype=self.pool.dtype, device=dev) if kind == "draft" else None
+            st = self._steps[(kind, B, T)] = _Step(torch.zeros(4, B, dtype=torch.long, device=dev),
+                                                   torch.zeros(B, T, dtype=torch.long, device=dev), hidden)
+        return st
+
+    def _verify_body(self, st: _Step) -> tuple[torch.Tensor, ...]:
+        B, T = st.tokens.shape
+        m = self.model
+        ctx = FwdCtx.from_tensors(st.ix[0], st.ix[1], st.ix[2], T, self.rope)
+        pre = m.forward_step(st.tokens, ctx, self.pool)  # [B, T, H]
+        post = m.model.norm(pre)
+        return pre, post, m.logits(post, out=self.logits[:B * T].view(B, T, -1))
+
+    def _draft_body(self, st: _Step) -> tuple[torch.Tensor, ...]:
+        B, T = st.tokens.shape
+        m = self.model
+        assert self.pool.mtp is not None and st.hidden is not None
+        ctx = FwdCtx.from_tensors(st.ix[0], st.ix[1], st.ix[2], T, self.rope)  # ix[2] == 0: no GDN in the head
+        hm = m.mtp_forward(st.tokens, st.hidden, ctx, self.pool.mtp)  # [B, T, H]
+        h = hm[torch.arange(B, device=hm.device), st.ix[3]][:, None]  # [B, 1, H]
+        return h, m.logits(h[:, 0], out=self.logits[:B])
+
+    def _run(self, st: _Step, body: Callable[[_Step], tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+        if not self.capture:
+            return body(st)
+        if st.graph is None:
+            out = body(st)  # this call's work, eagerly (compiles the kernels before the capture)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
+                st.out = body(st)
+            st.graph = graph
+            return out
+        st.graph.replay()
+        return st.out

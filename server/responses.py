@@ -20,7 +20,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from server import protocol as p
-from server.serving import APIError, Generation, ServingChat, SSEStream, _Prepared, internal_error, printable
+from server.serving import (APIError, Generation, ServingChat, SSEStream, _Prepared, internal_error, log_ignored_fields,
+                            printable)
 from server.structured import ChatOutput
 
 #: Roles an input message item may have, and the content part types whose `text` is taken.
@@ -42,6 +43,9 @@ class ServingResponses:
         self.chat = chat
 
     async def create(self, req: p.ResponsesRequest) -> p.ResponseObject | SSEStream:
+        """Validate, submit as chat, and return the finished `ResponseObject`, or an `SSEStream` of Responses
+        events when `req.stream`. Raises `APIError` as chat does."""
+        log_ignored_fields(req)
         chat_req = self.to_chat(req)
         prep, gen = await self.chat.submit(chat_req)
         rid = p.random_id("resp")

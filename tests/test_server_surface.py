@@ -4,7 +4,9 @@ One test per row of the field table (chat and completions where both apply, stre
 stream; vLLM's /version, /tokenize, /detokenize. A real uvicorn on the tiny model (K = 3), and on the demo."""
 from __future__ import annotations
 
+import dataclasses
 import json
+from typing import Any
 
 import httpx
 import jsonschema
@@ -425,3 +427,120 @@ def test_readme_field_table_lists_every_request_field():
     responses = readme.split("`POST /v1/responses` takes")[1].split("Streaming sends")[0]
     missing = {f for f in p.ResponsesRequest.model_fields if f"`{f}`" not in responses and f"`{f}." not in responses}
     assert not missing, f"README's Responses paragraph misses {sorted(missing)}"
+
+
+# ------------------------------------------------------ each row through both endpoints, streamed and not
+
+
+@dataclasses.dataclass
+class Out:
+    """One choice of a request, read back the same way whichever endpoint and mode produced it."""
+
+    token_ids: list[int]
+    prompt_token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    usage: Any
+    logprob_tokens: list[str]
+
+
+def generate(client, srv, chat: bool, stream: bool, **kw) -> Out:
+    """One request with the official client: chat (MSGS) or completions (`prompt`, default "Hi"), streamed (with
+    include_usage) or not; vLLM's extras in `extra` go through extra_body, with return_token_ids."""
+    extra = {"return_token_ids": True, **kw.pop("extra", {})}
+    prompt = kw.pop("prompt", "Hi")
+    if chat:
+        top = kw.pop("logprobs", None)  # completions' count -> chat's logprobs + top_logprobs
+        kw = {"messages": MSGS, **kw, **({"logprobs": True, "top_logprobs": top} if top is not None else {})}
+        create = client.chat.completions.create
+    else:
+        kw = {"prompt": prompt, **kw}
+        create = client.completions.create
+    if stream:
+        kw["stream_options"] = {"include_usage": True}
+    r = create(model=srv.model, stream=stream, extra_body=extra, **{"temperature": 0, **kw})
+    if not stream:
+        c = r.choices[0]
+        lp = ([x.token for x in c.logprobs.content] if chat else c.logprobs.tokens) if c.logprobs else []
+        prompt_ids = (r if chat else c).model_extra["prompt_token_ids"]
+        return Out(c.model_extra["token_ids"], prompt_ids, (c.message.content or "") if chat else c.text,
+                   c.finish_reason, r.usage, lp)
+    out = Out([], [], "", None, None, [])
+    for ch in r:
+        extra_top = ch.model_extra.get("prompt_token_ids") if chat else None
+        out.prompt_token_ids += extra_top or []
+        if ch.usage is not None:
+            out.usage = ch.usage
+        for c in ch.choices:
+            out.prompt_token_ids += (c.model_extra.get("prompt_token_ids") or []) if not chat else []
+            out.token_ids += c.model_extra.get("token_ids") or []
+            out.text += (c.delta.content or "") if chat else c.text
+            out.finish_reason = c.finish_reason or out.finish_reason
+            if c.logprobs:
+                out.logprob_tokens += [x.token for x in c.logprobs.content] if chat else c.logprobs.tokens
+    return out
+
+
+BOTH = pytest.mark.parametrize("chat,stream", [(False, False), (False, True), (True, False), (True, True)],
+                               ids=["text", "text-stream", "chat", "chat-stream"])
+
+
+@BOTH
+def test_logit_bias_every_endpoint_and_mode(client, srv, chat, stream):
+    free = generate(client, srv, chat, False, max_tokens=8, extra={"ignore_eos": True})
+    bias = {str(free.token_ids[0]): -100, str(free.token_ids[1]): -100, "65": 2.5}
+    got = generate(client, srv, chat, stream, max_tokens=8, logit_bias=bias, extra={"ignore_eos": True})
+    ref = plain(free.prompt_token_ids, 8, SpecSampling(logit_bias=((free.token_ids[0], -100.0),
+                                                                   (free.token_ids[1], -100.0), (65, 2.5))), eos=[])
+    assert got.token_ids == ref and free.token_ids[0] not in ref  # K = 3 through the server == K = 0
+    sampled = generate(client, srv, chat, stream, max_tokens=5, temperature=1.0, seed=11, logit_bias={"80": 100},
+                       extra={"ignore_eos": True})
+    assert sampled.token_ids == [80] * 5
+
+
+@BOTH
+def test_stop_token_ids_and_min_tokens_every_endpoint_and_mode(client, srv, tok, chat, stream):
+    free = generate(client, srv, chat, False, max_tokens=16, extra={"ignore_eos": True})
+    stop = free.token_ids[2]
+    out = generate(client, srv, chat, stream, max_tokens=16, extra={"stop_token_ids": [stop]})
+    ref = plain(free.prompt_token_ids, 16, eos=tok.eos_token_ids + [stop])
+    assert out.token_ids == ref and ref[-1] == stop and out.finish_reason == "stop"
+    held = generate(client, srv, chat, stream, max_tokens=16, extra={"stop_token_ids": [stop], "min_tokens": 6})
+    ref = plain(free.prompt_token_ids, 16, SpecSampling(min_tokens=6), eos=tok.eos_token_ids + [stop])
+    assert held.token_ids == ref and len(ref) >= 6 and stop not in ref[:6]
+
+
+@BOTH
+def test_usage_details_truncation_and_token_id_names_every_endpoint_and_mode(client, srv, tok, chat, stream):
+    text = "The quick brown fox jumps over the lazy dog"
+    out = generate(client, srv, chat, stream, prompt=text, max_tokens=3, logprobs=1,
+                   extra={"truncate_prompt_tokens": 4, "return_tokens_as_token_ids": True})
+    assert len(out.prompt_token_ids) == 4 and out.usage.prompt_tokens == 4
+    if not chat:
+        assert out.prompt_token_ids == tok.encode(text)[-4:]
+    assert out.usage.prompt_tokens_details.cached_tokens == 0
+    assert out.logprob_tokens == [f"token_id:{t}" for t in out.token_ids]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_logprobs_zero_streamed_and_not(client, srv, stream):
+    r = client.completions.create(model=srv.model, prompt="Hi", max_tokens=4, temperature=0, logprobs=0,
+                                  stream=stream, extra_body={"ignore_eos": True})
+    pieces = list(r) if stream else [r]
+    lps = [c.choices[0].logprobs for c in pieces if c.choices]
+    tokens, values = sum((x.tokens for x in lps), []), sum((x.token_logprobs for x in lps), [])
+    tops = sum((x.top_logprobs for x in lps), [])
+    assert len(tops) == 4 and all(top == {t: v} for top, t, v in zip(tops, tokens, values))
+
+
+def test_prompt_logprobs_with_stream_is_400_in_chat_too(srv):
+    assert_400(post(srv, "/chat/completions", {"messages": MSGS, "prompt_logprobs": 1, "stream": True}),
+               "prompt_logprobs")
+    assert_400(post(srv, "/chat/completions", {"messages": MSGS, "prompt_logprobs": -1}), "prompt_logprobs")
+
+
+@BOTH
+def test_structured_outputs_choice_every_endpoint_and_mode(client, srv, chat, stream):
+    out = generate(client, srv, chat, stream, max_tokens=10, temperature=0.7, seed=2,
+                   extra={"structured_outputs": {"choice": ["alpha", "beta gamma"]}, **NO_THINK})
+    assert out.text in ("alpha", "beta gamma") and out.finish_reason == "stop"

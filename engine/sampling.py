@@ -1,9 +1,13 @@
-"""Logit processing shared by plain and speculative decoding: penalties, temperature, top-k/top-p/min-p.
+"""Logit processing shared by plain and speculative decoding: logit bias, penalties, min_tokens, temperature,
+top-k/top-p/min-p.
 
-`SpecSampling` is the per-request value; `probs_from_logits` turns fp32 logit rows into the distribution that
-both plain sampling and spec rejection sampling use, so the two are equal in distribution. Everything runs on
-the logits' device without reading values back to the host: penalty history lives in device tensors and draws
-use a per-session generator on that device (same seed -> same tokens on the same device).
+`SpecSampling` is the per-request value; `PenaltyState.apply` is the per-row logits processing that every token
+choice goes through (plain choice, drafts, every verify column), in one order: logit bias, penalties, then the
+min_tokens mask of the stop ids; `probs_from_logits` turns the processed rows into the distribution that both
+plain sampling and spec rejection sampling use, so the two are equal in distribution (and greedy spec is exact
+with every field). Everything runs on the logits' device without reading values back to the host: penalty
+history and the bias live in device tensors, the min_tokens mask depends only on host counts, and draws use a
+per-session generator on that device (same seed -> same tokens on the same device).
 """
 from __future__ import annotations
 
@@ -15,7 +19,9 @@ import torch
 @dataclass(frozen=True)
 class SpecSampling:
     """Sampling parameters. temperature 0 is the exact greedy path; > 0 samples (spec: Leviathan/Chen
-    rejection sampling). top_k 0, top_p 1, min_p 0, repetition_penalty 1 and the 0 penalties mean off."""
+    rejection sampling). top_k 0, top_p 1, min_p 0, repetition_penalty 1 and the 0 penalties mean off.
+    logit_bias: (token id, bias) pairs added to the logits (OpenAI's field; -100 effectively bans a token).
+    min_tokens: the session's stop ids (EOS and stop_token_ids) are masked until this many tokens were emitted."""
 
     temperature: float = 0.0
     seed: int | None = None
@@ -25,6 +31,8 @@ class SpecSampling:
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0):
@@ -37,6 +45,8 @@ class SpecSampling:
             raise ValueError("min_p must be in [0, 1]")
         if not (self.repetition_penalty > 0.0):
             raise ValueError("repetition_penalty must be > 0")
+        if self.min_tokens < 0:
+            raise ValueError("min_tokens must be >= 0")
 
     @property
     def greedy(self) -> bool:
@@ -46,16 +56,31 @@ class SpecSampling:
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
+    @property
+    def processes(self) -> bool:
+        """Some per-row logits processing applies (`PenaltyState.apply` is not the identity)."""
+        return self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0
+
 
 class PenaltyState:
-    """Token history for penalties, on the device: `seen` [V] (prompt + output, repetition penalty) and
-    `counts` [V] (output only, frequency / presence penalties)."""
+    """Per-session logits processing state, on the device: `seen` [V] (prompt + output, repetition penalty),
+    `counts` [V] (output only, frequency / presence penalties), the dense logit bias [V] (None when empty) and
+    the stop ids min_tokens masks."""
 
-    def __init__(self, prompt_ids: list[int], vocab_size: int, device: torch.device | str):
+    def __init__(self, prompt_ids: list[int], vocab_size: int, device: torch.device | str,
+                 sampling: SpecSampling | None = None, stop_ids: list[int] | tuple[int, ...] | set[int] = ()):
         self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
         self.counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
         if prompt_ids:
             self.seen[torch.tensor(prompt_ids, device=device)] = True
+        self.bias: torch.Tensor | None = None
+        if sampling is not None and sampling.logit_bias:
+            ids, vals = zip(*sampling.logit_bias)
+            if not all(0 <= i < vocab_size for i in ids):
+                raise ValueError(f"logit_bias token ids must be in [0, {vocab_size})")
+            self.bias = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+            self.bias[torch.tensor(ids, device=device)] = torch.tensor(vals, dtype=torch.float32, device=device)
+        self.stop_ids = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
 
     def push(self, toks: list[int]) -> None:
         """Record emitted tokens."""
@@ -63,11 +88,27 @@ class PenaltyState:
         self.seen[idx] = True
         self.counts.index_add_(0, idx, torch.ones(len(toks), device=idx.device))
 
-    def apply(self, rows: torch.Tensor, s: SpecSampling, extra: torch.Tensor | None = None) -> torch.Tensor:
-        """Penalised copy of fp32 logits `rows` [..., V], as if each row's `extra` tokens [..., E] (long, -1 =
-        none) had been pushed too. Returns `rows` itself when the request has no penalties."""
-        if not s.has_penalties:
+    def apply(self, rows: torch.Tensor, s: SpecSampling, extra: torch.Tensor | None = None,
+              n_out: int = 0) -> torch.Tensor:
+        """Processed copy of fp32 logits `rows` ([V], or [T, V] for T consecutive positions): logit bias, then
+        penalties as if each row's `extra` tokens [..., E] (long, -1 = none) had been pushed too, then the
+        min_tokens mask: row t chooses output token n_out + t, and while that is below s.min_tokens every stop
+        id is -inf. Returns `rows` itself when the request has no processing."""
+        if not s.processes:
             return rows
+        if self.bias is not None:
+            rows = rows + self.bias
+        if s.has_penalties:
+            rows = self._penalise(rows, s, extra)
+        under = s.min_tokens - n_out  # rows (positions) still below min_tokens: a host int, no sync
+        if under > 0 and self.stop_ids.numel():
+            if rows.dim() == 1:
+                rows = rows.index_fill(-1, self.stop_ids, float("-inf"))
+            else:
+                rows = torch.cat([rows[:under].index_fill(-1, self.stop_ids, float("-inf")), rows[under:]])
+        return rows
+
+    def _penalise(self, rows: torch.Tensor, s: SpecSampling, extra: torch.Tensor | None) -> torch.Tensor:
         counts = self.counts.expand(rows.shape).to(rows.dtype)
         seen = self.seen.expand(rows.shape)
         if extra is not None and extra.numel():

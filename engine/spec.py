@@ -40,6 +40,7 @@ __all__ = [
 SPEC_TELEM_POS = 8  # tracked draft positions (serve K defaults to 3; gates sweep K = 1..8)
 DEFAULT_CAPMAX = 7
 PREFILL_CHUNK = 512
+PROMPT_LOGPROB_ROWS = 64  # prompt logprobs: logit rows materialised at once ([64, V], never [prompt, V])
 
 
 @dataclass
@@ -121,11 +122,13 @@ class SpecConstraint(Protocol):
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """Log-probability of an emitted token under the target model's raw distribution, plus top alternatives."""
+    """Log-probability of an emitted (or prompt) token under the target model's raw distribution, plus top
+    alternatives; `rank` (1 = the most likely token) is filled for prompt tokens."""
 
     token: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int | None = None
 
 
 def prefill(model: Qwen35ForCausalLM, ids: list[int], cache: ModelCache, chunk: int = PREFILL_CHUNK,
@@ -196,7 +199,7 @@ class SpecSession:
                  eos_ids: list[int] | tuple[int, ...] | set[int] = (), p_min: float = 0.0,
                  capmax: int = DEFAULT_CAPMAX, logprobs: int | None = None, hidden_mode: str = "post",
                  max_len: int | None = None, draft_override: Callable[[int, int, int], int] | None = None,
-                 stats_line: bool = False, pool: StatePool | None = None):
+                 stats_line: bool = False, pool: StatePool | None = None, prompt_logprobs: int | None = None):
         if not prompt_ids:
             raise ValueError("prompt must contain at least one token")
         if max_new_tokens < 1:
@@ -213,6 +216,10 @@ class SpecSession:
         self.eos = set(eos_ids)
         self.p_min, self.capmax, self.hidden_mode = p_min, capmax, hidden_mode
         self.want_logprobs = logprobs
+        # logprobs of each prompt token after the first (and `prompt_logprobs` alternatives), computed during
+        # prefill only when asked; [None] + one entry per later prompt token
+        self.want_prompt_logprobs = prompt_logprobs
+        self.prompt_logprobs: list[TokenLogprob | None] = []
         self.draft_override = draft_override
         self.stats_line = stats_line
         self.prompt_ids = list(prompt_ids)
@@ -236,7 +243,7 @@ class SpecSession:
         self.finished = False
         self.finish_reason: str | None = None
         self.error: BaseException | None = None  # set when the scheduler failed this session
-        self._pen = PenaltyState(self.prompt_ids, cfg.vocab_size, self.device)
+        self._pen = PenaltyState(self.prompt_ids, cfg.vocab_size, self.device, sampling, self.eos)
         self._gen = torch.Generator(device=self.device)
         self._gen.manual_seed(sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
         # MTP rows waiting to be written: row i = (token i+1, carrier hidden h_i), rows scratch.length..
@@ -319,7 +326,7 @@ class SpecSession:
             raise ValueError("continued turn does not fit in the session's max_len")
         suffix = prompt_ids[len(self.committed):]
         self.prompt_ids = list(prompt_ids)
-        self._pen = PenaltyState(self.prompt_ids, self.cfg.vocab_size, self.device)
+        self._pen = PenaltyState(self.prompt_ids, self.cfg.vocab_size, self.device, self.sampling, self.eos)
         self.emitted, self.logprobs = [], []
         self.pending = None
         self.max_new_tokens = max_new_tokens
@@ -351,6 +358,8 @@ class SpecSession:
         self.committed += ids
         post = model.model.norm(pre)
         done = not self.prefilling
+        if self.want_prompt_logprobs is not None:
+            self._prompt_logprobs(post, self._prefilled - len(ids))
         if self.k > 0:
             nxt = self._to_prefill[self._prefilled - len(ids) + 1:self._prefilled + 1]  # token i+1 of each row
             carrier = post if self.hidden_mode == "post" else pre
@@ -363,6 +372,24 @@ class SpecSession:
                 self._queue_mtp_rows([first], (post if self.hidden_mode == "post" else pre)[-1:])
             self._emit([first], logits[None])
         return len(ids)
+
+    def _prompt_logprobs(self, post: torch.Tensor, start: int) -> None:
+        """Logprobs of the prompt tokens that the chunk's rows `post` [t, H] (prompt positions start..) predict,
+        PROMPT_LOGPROB_ROWS rows at a time (only when asked: the default prefill computes one row's logits)."""
+        ids, n_top = self._to_prefill, self.want_prompt_logprobs or 0
+        if start == 0:
+            self.prompt_logprobs.append(None)  # nothing predicts the first prompt token
+        rows = min(post.shape[0], len(ids) - 1 - start)  # the prompt's last row predicts the first output token
+        for a in range(0, rows, PROMPT_LOGPROB_ROWS):
+            b = min(rows, a + PROMPT_LOGPROB_ROWS)
+            lp = torch.log_softmax(self.model.logits(post[a:b]).float(), dim=-1)  # [n, V]
+            nxt = torch.tensor(ids[start + a + 1:start + b + 1], device=lp.device)
+            chosen = lp.gather(-1, nxt[:, None])  # [n, 1]
+            rank = (lp > chosen).sum(-1) + 1  # [n]
+            top_v, top_i = torch.topk(lp, min(n_top, lp.shape[-1]), dim=-1)  # [n, n_top]
+            for t, c, r, iv, vv in zip(nxt.tolist(), chosen[:, 0].tolist(), rank.tolist(), top_i.tolist(),
+                                       top_v.tolist()):
+                self.prompt_logprobs.append(TokenLogprob(t, c, list(zip(iv, vv)), r))
 
     def k_round(self) -> int:
         """Draft tokens this session wants in the next round (0 = a plain step): k, fewer near max_new_tokens."""
@@ -414,7 +441,7 @@ class SpecSession:
     # ------------------------------------------------------------------ internals
     def _choose(self, logits: torch.Tensor) -> int:
         """Plain-decode choice for one fp32 logit row (penalties, constraint mask, greedy or sampled)."""
-        row = self._pen.apply(logits, self.sampling)
+        row = self._pen.apply(logits, self.sampling, n_out=len(self.emitted))
         if self.constraint is not None:
             row = self.constraint.mask_logits(row)
         if self.sampling.greedy:
@@ -449,7 +476,8 @@ class SpecSession:
             cons.consume(drafts[j])
         if cut or not cons.is_allowed(bonus):
             extra = torch.tensor(drafts[:n_acc] or [-1], device=self.device)
-            masked = cons.mask_logits(self._pen.apply(logits[n_acc], self.sampling, extra))
+            masked = cons.mask_logits(self._pen.apply(logits[n_acc], self.sampling, extra,
+                                                      n_out=len(self.emitted) + n_acc))
             if self.sampling.greedy:
                 bonus = int(torch.argmax(masked).item())
             else:
@@ -497,9 +525,11 @@ class SpecSession:
 def _pick(rows: list[SpecSession], logits: torch.Tensor, extra: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
                                                                                         list[torch.Tensor | None]]:
     """Each row's draft from its MTP logits [A, V] (fp32): argmax for greedy rows, a draw from q for sampled ones.
-    `extra` [A, j] = the drafts so far (for penalties). Returns (tokens [A] long, top probability [A], q rows)."""
-    proc = torch.stack([r._pen.apply(logits[i], r.sampling, extra[i]) for i, r in enumerate(rows)]) \
-        if any(r.sampling.has_penalties for r in rows) else logits
+    `extra` [A, j] = the drafts so far (penalties; draft j is output token len(emitted) + j, for min_tokens).
+    Returns (tokens [A] long, top probability [A], q rows)."""
+    j = extra.shape[1]
+    proc = torch.stack([r._pen.apply(logits[i], r.sampling, extra[i], n_out=len(r.emitted) + j)
+                        for i, r in enumerate(rows)]) if any(r.sampling.processes for r in rows) else logits
     top = torch.softmax(proc, dim=-1).amax(dim=-1)  # [A]
     tok = ops.argmax(proc)  # [A]
     qs: list[torch.Tensor | None] = [None] * len(rows)
@@ -595,8 +625,9 @@ def _accept(rows: list[SpecSession], logits: torch.Tensor, drafts: torch.Tensor,
     cols = torch.arange(T, device=dev)
     valid = drafts >= 0  # [N, K]
     ex = drafts[:, None, :].expand(N, T, K).masked_fill(torch.arange(K, device=dev) >= cols[:, None], -1)  # [N, T, K]
-    proc = torch.stack([r._pen.apply(logits[i], r.sampling, ex[i]) for i, r in enumerate(rows)]) \
-        if any(r.sampling.has_penalties for r in rows) else logits
+    # column t of row i chooses output token len(emitted) + t (min_tokens); host ints, no sync
+    proc = torch.stack([r._pen.apply(logits[i], r.sampling, ex[i], n_out=len(r.emitted)) for i, r in enumerate(rows)]) \
+        if any(r.sampling.processes for r in rows) else logits
     # greedy rows under a grammar accept by the MASKED argmax of each column (what constrained plain greedy picks
     # after the same drafts): the masks of the states the drafts reached, kept while drafting
     masks = [(i, r.constraint.window_mask(r._window + 1, dev)) for i, r in enumerate(rows) if ks[i] > 0

@@ -154,6 +154,19 @@ def _parse_tool_call_arguments(call: Any) -> Any:
     return {**call, "function": new_holder} if holder is fn else new_holder
 
 
+def _cut_after_final_message(rendered: str, content: Any) -> str:
+    """`rendered` up to the end of the last message's text (transformers' continue_final_message)."""
+    if isinstance(content, list):
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    if not isinstance(content, str) or not content.strip():
+        raise ValueError("continue_final_message needs a last message with text content")
+    for text in (content, content.strip()):
+        at = rendered.rfind(text)
+        if at != -1:
+            return rendered[: at + len(text)]
+    raise ValueError("continue_final_message: the chat template does not render the last message's content")
+
+
 class Tokenizer:
     """A ``tokenizers`` tokenizer plus the model directory's chat template, eos ids and special tokens."""
 
@@ -266,6 +279,7 @@ class Tokenizer:
         tools: list[dict] | None = None,
         enable_thinking: bool | None = None,
         special_tokens_in_content: bool = False,
+        continue_final_message: bool = False,
         **kwargs: Any,
     ) -> list[int]:
         """Token ids of the chat prompt: ``apply_chat_template`` (same arguments), then tokenization in which
@@ -286,7 +300,8 @@ class Tokenizer:
 
         def render(msgs: list[dict], tls: list[dict] | None) -> str:
             return self.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tools=tls,
-                                            enable_thinking=enable_thinking, **kwargs)
+                                            enable_thinking=enable_thinking,
+                                            continue_final_message=continue_final_message, **kwargs)
 
         found = set() if special_tokens_in_content or self._special_text is None else {
             m.group() for text in _strings((messages, tools)) for m in self._special_text.finditer(text)}
@@ -337,9 +352,12 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
         enable_thinking: bool | None = None,
+        continue_final_message: bool = False,
         **kwargs: Any,
     ) -> str:
         """Render ``messages`` (OpenAI-style dicts) with the chat template into the prompt text.
+        ``continue_final_message``: the text ends right after the last message's content (its end-of-turn
+        markup cut, as transformers does), so generation continues that message.
 
         Matches ``transformers`` ``apply_chat_template(..., tokenize=False)``: sandboxed jinja2 with
         trim_blocks/lstrip_blocks, ``raise_exception``, ``tojson`` and ``strftime_now``; the template sees
@@ -357,11 +375,14 @@ class Tokenizer:
         try:
             if self._compiled is None:
                 self._compiled = _compile_template(self.chat_template)
-            return self._compiled.render(
+            rendered = self._compiled.render(
                 messages=prepared, tools=tools, add_generation_prompt=add_generation_prompt, **context
             )
         except Exception as e:  # template errors and any type errors the template hits on bad input
             raise ValueError(f"chat template error: {e}") from e
+        if continue_final_message:
+            rendered = _cut_after_final_message(rendered, prepared[-1].get("content"))
+        return rendered
 
     def to_json_str(self) -> str:
         """The tokenizer serialized as tokenizer.json text (what llguidance consumes)."""

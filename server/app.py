@@ -1,9 +1,11 @@
 """FastAPI app: thin routes over the serving classes in `app.state`.
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models (API key checked on every /v1
-route when configured), GET /health (liveness), GET /ready (200 when serving, 503 while draining or if
-the worker died), GET /metrics (Prometheus text), GET /openapi.json and GET /docs (the schema of every
-route, request body and error response). Every error is an OpenAI error body (`serving.APIError`).
+Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, GET /v1/models and
+GET /v1/models/{model_id}; vLLM's POST /tokenize and POST /detokenize (the API key, when configured, is checked
+on these and on every /v1 route); GET /version, GET /health (liveness), GET /ready (200 when serving, 503
+while draining or if the worker died), GET /metrics (Prometheus text), GET /openapi.json and GET /docs (the
+schema of every route, request body and error response). Every error is an OpenAI error body
+(`serving.APIError`).
 
 Each request's work is tied to its connection: a client that leaves, at any point, has its jobs
 cancelled (`_until_disconnect` while the response is being prepared, a watcher task while a stream is
@@ -31,6 +33,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from metrics.prometheus import ServingMetrics
 from server import protocol as p
+from server.responses import ServingResponses
 from server.serving import APIError, ServingChat, ServingCompletion, SSEStream, internal_error, printable
 from server.worker import Worker
 
@@ -39,9 +42,10 @@ log = logging.getLogger("nextn.app")
 #: Largest request body accepted (413 above it).
 MAX_BODY_BYTES = 8 * 1024 * 1024
 #: The request models whose schemas /openapi.json documents as request bodies.
-REQUEST_MODELS: tuple[type[BaseModel], ...] = (p.ChatCompletionRequest, p.CompletionRequest)
+REQUEST_MODELS: tuple[type[BaseModel], ...] = (p.ChatCompletionRequest, p.CompletionRequest, p.ResponsesRequest,
+                                               p.TokenizeRequest, p.DetokenizeRequest)
 #: Models only described in text (the SSE events), added to /openapi.json's components so they can be read.
-EVENT_MODELS: tuple[type[BaseModel], ...] = (p.ChatCompletionChunk,)
+EVENT_MODELS: tuple[type[BaseModel], ...] = (p.ChatCompletionChunk, p.ResponseStreamEvent)
 _M = TypeVar("_M", bound=BaseModel)
 
 
@@ -202,17 +206,21 @@ def _sse_event(chunk: type[BaseModel]) -> dict[str, Any]:
         {"type": "string", "contentMediaType": "application/json", "contentSchema": payload}]}}}
 
 
-def _body_route(model: type[BaseModel], response: type[BaseModel], chunk: type[BaseModel]) -> dict[str, Any]:
+def _body_route(model: type[BaseModel], response: type[BaseModel], chunk: type[BaseModel] | None = None,
+                stream_doc: str | None = None) -> dict[str, Any]:
     """Route arguments documenting a JSON request body of `model` (parsed by `read_request`, so FastAPI
     does not see it), its response (`response`, or SSE `chunk`s when `stream` is true) and its errors."""
+    ok: dict[str, Any] = {"model": response, "description": f"A {response.__name__}"}
+    if chunk is not None:
+        ok["description"] += stream_doc or (
+            f"; with `stream: true` a text/event-stream of `data: <{chunk.__name__} JSON>` events ending with "
+            f"`data: [DONE]` (an error mid-stream is a `data: <ErrorResponse JSON>` event)")
+        ok["content"] = {"text/event-stream": {"schema": _sse_event(chunk)}}
+    codes = (400, 401, 404, 408, 413, 429, 500, 503) if chunk is not None else (400, 401, 404, 408, 413, 500)
     return {
         "openapi_extra": {"requestBody": {"required": True, "content": {"application/json": {
             "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}},
-        "responses": {200: {"model": response, "description": f"A {response.__name__}; with `stream: true` a "
-                            f"text/event-stream of `data: <{chunk.__name__} JSON>` events ending with "
-                            f"`data: [DONE]` (an error mid-stream is a `data: <ErrorResponse JSON>` event)",
-                            "content": {"text/event-stream": {"schema": _sse_event(chunk)}}},
-                      **_errors(400, 401, 404, 408, 413, 429, 500, 503)},
+        "responses": {200: ok, **_errors(*codes)},
     }
 
 
@@ -239,7 +247,7 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
         if app.state.api_key is not None:
             components["securitySchemes"] = {"bearerAuth": {"type": "http", "scheme": "bearer"}}
             for path, ops in schema["paths"].items():
-                if path.startswith("/v1/"):
+                if path.startswith("/v1/") or path in ("/tokenize", "/detokenize"):
                     for op in ops.values():
                         op["security"] = [{"bearerAuth": []}]
         app.openapi_schema = schema
@@ -267,12 +275,59 @@ async def create_completion(raw: Request) -> Response:
     return await _respond(raw, serving.create(req))
 
 
+@v1.post("/responses", summary="Create a response (OpenAI Responses API; text in and out)",
+         **_body_route(p.ResponsesRequest, p.ResponseObject, p.ResponseStreamEvent, stream_doc=(
+             "; with `stream: true` a text/event-stream of `event: <type>` / `data: <ResponseStreamEvent JSON>` "
+             "events: response.created, response.in_progress, per output item output_item.added, "
+             "content_part.added, output_text.delta / reasoning_text.delta, their .done, output_item.done, then "
+             "response.completed (an error mid-stream is an `error` event)")))
+async def create_response(raw: Request) -> Response:
+    req = await read_request(raw, p.ResponsesRequest)
+    serving: ServingResponses = raw.app.state.serving_responses
+    return await _respond(raw, serving.create(req))
+
+
 @v1.get("/models", summary="List the served model", responses=_errors(401, 500))
 async def list_models(raw: Request) -> p.ModelList:
     return raw.app.state.model_list
 
 
+@v1.get("/models/{model_id:path}", summary="Retrieve the served model", responses=_errors(401, 404, 500))
+async def retrieve_model(raw: Request, model_id: str) -> p.ModelCard:
+    card: p.ModelCard = raw.app.state.model_list.data[0]
+    if model_id != card.id:
+        raise APIError(404, f"The model `{printable(model_id, 100)}` does not exist.", param="model",
+                       code="model_not_found")
+    return card
+
+
+tokens = APIRouter(dependencies=[Depends(check_api_key)])
+
+
+@tokens.post("/tokenize", summary="Tokenize a prompt or chat messages (vLLM)",
+             **_body_route(p.TokenizeRequest, p.TokenizeResponse))
+async def tokenize(raw: Request) -> Response:
+    req = await read_request(raw, p.TokenizeRequest)
+    serving: ServingChat = raw.app.state.serving_chat
+    result = await asyncio.to_thread(serving.tokenize, req)
+    return Response(result.model_dump_json(), media_type="application/json")
+
+
+@tokens.post("/detokenize", summary="Detokenize token ids (vLLM)", **_body_route(p.DetokenizeRequest,
+                                                                                 p.DetokenizeResponse))
+async def detokenize(raw: Request) -> Response:
+    req = await read_request(raw, p.DetokenizeRequest)
+    serving: ServingChat = raw.app.state.serving_chat
+    result = await asyncio.to_thread(serving.detokenize, req)
+    return Response(result.model_dump_json(), media_type="application/json")
+
+
 ops = APIRouter()
+
+
+@ops.get("/version", summary="Server version (vLLM)")
+async def version(raw: Request) -> p.VersionResponse:
+    return p.VersionResponse(version=raw.app.version)
 
 
 @ops.get("/health", summary="Liveness: the worker thread is alive", responses=_HEALTH_DOCS)
@@ -349,6 +404,7 @@ def build_app(*, serving_chat: ServingChat, serving_completion: ServingCompletio
                               "are OpenAI error bodies; nextn extras are documented per field.")
     app.state.serving_chat = serving_chat
     app.state.serving_completion = serving_completion
+    app.state.serving_responses = ServingResponses(serving_chat)
     app.state.worker = worker
     app.state.metrics = metrics
     app.state.api_key = api_key
@@ -357,6 +413,7 @@ def build_app(*, serving_chat: ServingChat, serving_completion: ServingCompletio
         id=serving_chat.model_name, created=int(time.time()), root=model_root,
         max_model_len=serving_chat.max_model_len)])
     app.include_router(v1)
+    app.include_router(tokens)
     app.include_router(ops)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)

@@ -159,13 +159,13 @@ def build_server(settings: ServeSettings, model: Any, tokenizer: Any, **worker_k
                     max_num_seqs=settings.max_num_seqs, max_queue=settings.max_queue,
                     max_model_len=settings.max_model_len, max_num_batched_tokens=settings.max_num_batched_tokens,
                     **worker_kw)
-    common: dict[str, Any] = dict(tokenizer=tokenizer, worker=worker, model_name=settings.served_model_name,
-                                  max_model_len=settings.max_model_len, vocab_size=model.config.vocab_size, k=k)
     structured = StructuredOutputs(tokenizer, n_vocab=model.config.vocab_size, metrics=metrics,
                                    max_bytes=settings.grammar_max_bytes, timeout_s=settings.grammar_compile_timeout,
                                    cache_size=settings.grammar_cache_size)
-    chat = ServingChat(special_tokens_in_content=settings.allow_special_tokens_in_content, structured=structured,
-                       **common)
+    common: dict[str, Any] = dict(tokenizer=tokenizer, worker=worker, model_name=settings.served_model_name,
+                                  max_model_len=settings.max_model_len, vocab_size=model.config.vocab_size, k=k,
+                                  structured=structured)
+    chat = ServingChat(special_tokens_in_content=settings.allow_special_tokens_in_content, **common)
     api_key = settings.api_key.get_secret_value() if settings.api_key is not None else None
     app = build_app(serving_chat=chat, serving_completion=ServingCompletion(**common), worker=worker,
                     metrics=metrics, model_root=str(settings.model_dir), api_key=api_key,

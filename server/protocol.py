@@ -12,7 +12,8 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchema, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PlainValidator, StrictInt, StringConstraints, WithJsonSchema,
+                      model_validator)
 
 from engine.spec import SpecSampling
 
@@ -27,9 +28,16 @@ MAX_CONTENT_PARTS = 2048
 #: Keys per JSON object of a request, known and unknown fields together (bounds the work and the log
 #: line that unknown fields cost).
 MAX_OBJECT_FIELDS = 128
-#: `seed` range: what the engine's generator takes (torch's); choice i of n uses seed + i, so
+#: `seed` range: a signed 64-bit integer (OpenAI's and vLLM's type); choice i of n uses seed + i, so
 #: seed + n - 1 must stay in range too (checked by the server, param "seed").
-SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+#: `logit_bias` entries per request, and the bias range (OpenAI's).
+MAX_LOGIT_BIAS = 1024
+LOGIT_BIAS_MIN, LOGIT_BIAS_MAX = -100.0, 100.0
+#: `stop_token_ids` per request.
+MAX_STOP_TOKEN_IDS = 64
+#: Prompts per completions request (each gets n choices; all choices together must fit the queue).
+MAX_PROMPTS = 128
 
 
 def _omit_none(v: Any) -> bool:
@@ -67,6 +75,8 @@ def _check_stop(v: Any) -> Any:
     return v
 
 
+#: A `logit_bias` key: a token id written as a JSON object key (decimal digits; OpenAI's and vLLM's form).
+TokenIdKey = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,10}$")]
 _TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}}
 #: `prompt`: text, texts (one supported), token ids, or lists of token ids; JSON booleans are not token ids.
 Prompt = Annotated[str | list[int] | list[str] | list[list[int]], PlainValidator(_check_prompt), WithJsonSchema({
@@ -108,7 +118,12 @@ class OpenAIBaseModel(BaseModel):
 
 
 class StreamOptions(OpenAIBaseModel):
-    include_usage: bool | None = False
+    """Only valid with `stream: true` (400 otherwise)."""
+
+    include_usage: bool | None = Field(False, description="a last chunk with `usage` (and `choices: []`)")
+    include_obfuscation: bool | None = Field(None, description="accepted; nextn never pads chunks")
+    continuous_usage_stats: bool | None = Field(
+        False, description="vLLM: with include_usage, every chunk carries the usage so far")
 
 
 class ResponseFormat(OpenAIBaseModel):
@@ -143,19 +158,40 @@ class _SamplingFields(OpenAIBaseModel):
     stream_options: StreamOptions | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    user: str | None = None
+    user: str | None = Field(None, description="accepted; no effect")
+    logit_bias: dict[TokenIdKey, Annotated[float, Field(ge=LOGIT_BIAS_MIN, le=LOGIT_BIAS_MAX)]] | None = Field(
+        None, max_length=MAX_LOGIT_BIAS, description="token id (a decimal string, as JSON keys are) -> bias added "
+                                                      "to its logit before sampling (-100 bans the token); ids must "
+                                                      "be in the vocabulary")
     # --- nextn extras (vLLM's names) ---
     top_k: int = Field(0, ge=-1, description="sample from the k most likely tokens; 0 or -1 = all")
     min_p: float = Field(0.0, ge=0.0, le=1.0, description="drop tokens below min_p * the top probability")
     repetition_penalty: float = Field(1.0, gt=0.0, le=2.0, description="CTRL-style penalty; 1 = off")
     ignore_eos: bool = Field(False, description="keep generating past EOS until max_tokens")
     return_token_ids: bool = Field(False, description="also return prompt_token_ids and token_ids (vLLM)")
+    min_tokens: int = Field(0, ge=0, description="EOS and stop_token_ids cannot end the output before this many "
+                                                 "tokens (at most max_tokens)")
+    stop_token_ids: list[StrictInt] | None = Field(
+        None, max_length=MAX_STOP_TOKEN_IDS, description="token ids that end a choice like EOS (finish_reason stop)")
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=MAX_TOP_LOGPROBS, description="logprobs of every prompt token plus this many alternatives "
+                                                     "(computed during prefill; not with stream)")
+    truncate_prompt_tokens: int | None = Field(None, ge=1, description="keep only the last N prompt tokens")
+    return_tokens_as_token_ids: bool = Field(
+        False, description="logprobs name tokens as `token_id:N` (for tokens that are not valid UTF-8 alone)")
+    skip_special_tokens: bool = Field(True, description="drop special tokens from the output text")
+    include_stop_str_in_output: bool = Field(False, description="keep the matched stop string in the text")
 
     def to_sampling(self) -> SpecSampling:
         """The engine's sampling parameters (temperature 0 is the exact greedy path)."""
         return SpecSampling(temperature=self.temperature, seed=self.seed, top_k=max(self.top_k, 0),
                             top_p=self.top_p, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
-                            frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty)
+                            frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
+                            logit_bias=tuple(sorted(self.logit_bias_ids().items())), min_tokens=self.min_tokens)
+
+    def logit_bias_ids(self) -> dict[int, float]:
+        """`logit_bias` keyed by token id."""
+        return {int(k): v for k, v in (self.logit_bias or {}).items()}
 
     def stop_strings(self) -> list[str]:
         """`stop` as a list without empty strings."""
@@ -165,6 +201,11 @@ class _SamplingFields(OpenAIBaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM: usage on every chunk (needs include_usage too)."""
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -189,6 +230,27 @@ class ChatCompletionRequest(_SamplingFields):
     structured_outputs: dict[str, Any] | None = Field(
         None, description="vLLM's constraint: exactly one of json (a schema), regex, grammar (lark), choice (a list "
                           "of strings) or json_object (true); disable_any_whitespace, whitespace_pattern")
+    echo: bool = Field(False, description="vLLM: start the output with the last message's content when its role "
+                                          "is the reply's (continue_final_message)")
+    add_generation_prompt: bool = Field(True, description="vLLM: end the prompt with the assistant turn's opening")
+    continue_final_message: bool = Field(
+        False, description="vLLM: leave the last (assistant) message open and continue it; needs "
+                           "add_generation_prompt false")
+    # --- OpenAI fields accepted without effect (no state is kept; nothing is routed) ---
+    metadata: dict[str, Any] | None = Field(None, description="accepted; no effect")
+    store: bool | None = Field(None, description="accepted; nothing is stored")
+    service_tier: str | None = Field(None, description="accepted; no effect")
+    safety_identifier: str | None = Field(None, description="accepted; no effect")
+    prompt_cache_key: str | None = Field(None, description="accepted; no effect")
+    reasoning_effort: str | None = Field(
+        None, description='"none" turns thinking off (as enable_thinking false); other values leave it on')
+    # --- OpenAI fields nextn cannot honour: 400 when given (param names them) ---
+    functions: list[dict[str, Any]] | None = Field(None, description="deprecated: use tools (400)")
+    function_call: str | dict[str, Any] | None = Field(None, description="deprecated: use tool_choice (400)")
+    audio: dict[str, Any] | None = Field(None, description="not supported (400)")
+    modalities: list[str] | None = Field(None, description='only ["text"]')
+    prediction: dict[str, Any] | None = Field(None, description="not supported (400)")
+    web_search_options: dict[str, Any] | None = Field(None, description="not supported (400)")
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -207,8 +269,15 @@ class ChatCompletionRequest(_SamplingFields):
 class CompletionRequest(_SamplingFields):
     model: str
     prompt: Prompt
+    echo: bool = Field(False, description="the text starts with the prompt (and logprobs cover its tokens)")
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     max_tokens: int | None = 16
+    best_of: int | None = Field(None, ge=1, description="only best_of == n (no server-side ranking)")
+    suffix: str | None = Field(None, description="not supported (400 when non-empty)")
+    response_format: ResponseFormat | None = Field(
+        None, description="vLLM: text, json_object or json_schema; the text is constrained to it")
+    structured_outputs: dict[str, Any] | None = Field(
+        None, description="vLLM's constraint (as in chat): json, regex, grammar, choice or json_object")
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -217,6 +286,43 @@ class CompletionRequest(_SamplingFields):
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+
+class ResponsesRequest(OpenAIBaseModel):
+    """POST /v1/responses (OpenAI's Responses API), text in and out. `input` is a string or a list of message
+    items ({role, content} with content a string or input_text parts; `type: "message"` optional);
+    `instructions` becomes the system message. Options that need state or tools nextn does not have are a 400."""
+
+    model: str
+    input: str | Annotated[list[dict[str, Any]], Field(min_length=1, max_length=MAX_MESSAGES)]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0, description="default 1.0")
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    stream: bool = False
+    text: dict[str, Any] | None = Field(None, description="text.format: text, json_object or json_schema {name, "
+                                                          "schema, strict} (constrained as in chat)")
+    reasoning: dict[str, Any] | None = Field(None, description='reasoning.effort "none" turns thinking off')
+    parallel_tool_calls: bool | None = None
+    tool_choice: str | dict[str, Any] | None = Field(None, description='only "none"/"auto" without tools')
+    tools: list[dict[str, Any]] | None = Field(None, description="not supported (400 when non-empty)")
+    truncation: str | None = Field(None, description='only "disabled"')
+    store: bool | None = Field(None, description="accepted; nothing is stored (no GET /v1/responses/{id})")
+    metadata: dict[str, Any] | None = Field(None, description="accepted; echoed")
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    service_tier: str | None = None
+    previous_response_id: str | None = Field(None, description="not supported (400)")
+    conversation: str | dict[str, Any] | None = Field(None, description="not supported (400)")
+    background: bool | None = Field(None, description="only false")
+    include: list[str] | None = Field(None, description="not supported (400 when non-empty)")
+    max_tool_calls: int | None = None
+    top_logprobs: int | None = Field(None, description="not supported (400 when > 0)")
+    prompt: dict[str, Any] | None = Field(None, description="prompt templates: not supported (400)")
+    # --- nextn extras (as in chat) ---
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=MAX_OBJECT_FIELDS)
 
 
 # --------------------------------------------------------------------------------------------- responses
@@ -233,11 +339,29 @@ class SpecUsage(BaseModel):
     pos_accepted: list[int] = Field(description="per draft position j < K: rounds that accepted position j")
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(0, description="prompt tokens served from a cache (nextn keeps none: 0)")
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
     spec: SpecUsage | None = Field(None, exclude_if=_omit_none, description="absent when speculation is off")
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's prompt logprob entry (keys of the enclosing dict are token ids)."""
+
+    logprob: float
+    rank: int | None = Field(None, description="1 = the most likely token")
+    decoded_token: str
+
+
+#: `prompt_logprobs`: None for the first prompt token, then per token {token id: entry} for the token itself
+#: and the `prompt_logprobs` most likely alternatives.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
 class TopLogprob(BaseModel):
@@ -297,6 +421,7 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
     system_fingerprint: str | None = None
     prompt_token_ids: list[int] | None = Field(None, exclude_if=_omit_none)
+    prompt_logprobs: PromptLogprobs | None = Field(None, exclude_if=_omit_none)
 
 
 class DeltaFunctionCall(BaseModel):
@@ -340,9 +465,11 @@ class ChatCompletionChunk(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
+    """With echo the first prompt token's entries are null (nothing predicts it)."""
+
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
 
 
@@ -353,6 +480,7 @@ class CompletionChoice(BaseModel):
     finish_reason: Literal["stop", "length"] | None
     prompt_token_ids: list[int] | None = Field(None, exclude_if=_omit_none)
     token_ids: list[int] | None = Field(None, exclude_if=_omit_none)
+    prompt_logprobs: PromptLogprobs | None = Field(None, exclude_if=_omit_none)
 
 
 class CompletionResponse(BaseModel):
@@ -379,6 +507,40 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class VersionResponse(BaseModel):
+    version: str
+
+
+class TokenizeRequest(OpenAIBaseModel):
+    """vLLM's /tokenize: a completions-style `prompt`, or chat `messages` rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=MAX_MESSAGES)
+    add_special_tokens: bool | None = Field(None, description="prompt: true by default; messages: false")
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=MAX_OBJECT_FIELDS)
+    tools: list[dict[str, Any]] | None = Field(None, max_length=MAX_OBJECT_FIELDS)
+    return_token_strs: bool | None = Field(False, description="also return each token's text")
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = Field(None, exclude_if=_omit_none)
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
 class ErrorInfo(BaseModel):
     message: str
     type: str
@@ -389,3 +551,99 @@ class ErrorInfo(BaseModel):
 class ErrorResponse(BaseModel):
     error: ErrorInfo
 
+
+
+# ------------------------------------------------------------------------------------------ Responses API
+
+
+class ResponseOutputText(BaseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[Any] = Field(default_factory=list)
+    logprobs: list[Any] = Field(default_factory=list)
+
+
+class ResponseReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+ItemStatus = Literal["in_progress", "completed", "incomplete"]
+
+
+class ResponseOutputMessage(BaseModel):
+    id: str
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    status: ItemStatus
+    content: list[ResponseOutputText]
+
+
+class ResponseReasoningItem(BaseModel):
+    id: str
+    type: Literal["reasoning"] = "reasoning"
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ResponseReasoningText]
+    status: ItemStatus
+
+
+class InputTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails = Field(default_factory=InputTokensDetails)
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
+    total_tokens: int
+    spec: SpecUsage | None = Field(None, exclude_if=_omit_none, description="absent when speculation is off")
+
+
+class IncompleteDetails(BaseModel):
+    reason: Literal["max_output_tokens", "content_filter"]
+
+
+class ResponseObject(BaseModel):
+    """The OpenAI `Response` object (text output items only)."""
+
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    model: str
+    output: list[ResponseReasoningItem | ResponseOutputMessage] = Field(default_factory=list)
+    usage: ResponseUsage | None = None
+    incomplete_details: IncompleteDetails | None = None
+    error: ErrorInfo | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    parallel_tool_calls: bool = True
+    tool_choice: str = "auto"
+    tools: list[Any] = Field(default_factory=list)
+    text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    previous_response_id: str | None = None
+    reasoning: dict[str, Any] | None = None
+    store: bool = False
+    truncation: str = "disabled"
+    user: str | None = None
+    background: bool = False
+
+
+class ResponseStreamEvent(BaseModel):
+    """One SSE event of a streamed response (`type` names it; its other fields depend on the type, as in
+    OpenAI's stream: response.created / in_progress / completed carry `response`; output_item.added / done
+    `item`; content_part.added / done `part`; output_text.delta and reasoning_text.delta `delta`; ... .done
+    the full `text`)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    sequence_number: int

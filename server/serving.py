@@ -105,6 +105,7 @@ class StopMatcher:
         self.stops = [s for s in stops if s]
         self.fail = [self._failure(s) for s in self.stops]
         self.state = [0] * len(self.stops)
+        self.matched = 0  # length of the stop string the last match completed
 
     @staticmethod
     def _failure(s: str) -> list[int]:
@@ -139,6 +140,7 @@ class StopMatcher:
                     k = fail[k - 1]
                 self.state[i] = k
             if hit:
+                self.matched = hit
                 return pos + 1 - hit
         return None
 
@@ -158,20 +160,25 @@ class ChoiceState:
     """Event-loop side of one choice: incremental detokenization and stop-string matching.
 
     Text that could still be the start of a stop string is held back until it cannot. On a stop
-    string the text before it is released, the tokens up to the one that completed it are kept, and
-    `stopped` is set (the caller cancels the session). `finished` is set when the choice's output is
-    final; `done` when the worker has also retired the session (its telemetry is then final).
+    string the text before it is released (with the stop string when `include_stop`), the tokens up to the
+    one that completed it are kept, and `stopped` is set (the caller cancels the session). A token of
+    `stop_ids` (EOS, stop_token_ids) ends the choice without adding text, as in vLLM. `finished` is set
+    when the choice's output is final; `done` when the worker has also retired the session (its telemetry
+    is then final). `prompt_logprobs` arrive with the first event when the job asked for them.
 
     `reasoning`: the output starts inside a `<think>` block (chat with thinking on). Stop strings then apply
     to the answer only, as vLLM does (PR #14550) and hosted APIs do: they are dormant until `</think>` and
     the whitespace after it (which the reasoning split drops from `content`) have passed.
     """
 
-    def __init__(self, index: int, tokenizer: Tokenizer, prompt_ids: list[int], stops: Sequence[str],
-                 reasoning: bool = False) -> None:
+    def __init__(self, index: int, tokenizer: Tokenizer, prompt_ids: list[int], stops: Sequence[str], *,
+                 skip_special_tokens: bool = True, include_stop: bool = False,
+                 stop_ids: frozenset[int] = frozenset(), reasoning: bool = False) -> None:
         self.index = index
-        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=True)
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=skip_special_tokens)
         self.matcher = StopMatcher(stops)
+        self.include_stop, self.stop_ids = include_stop, stop_ids
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
         #: inside the reasoning block: the text's last len(THINK_END) - 1 characters (None: stops are live)
         self._think_tail: str | None = "" if reasoning and stops else None
         self._skip_ws = False  # the whitespace right after `</think>` is not matched either
@@ -193,12 +200,16 @@ class ChoiceState:
         d = Delta(self.index)
         if ev.done:
             self.done, self.telem = True, ev.telem
+        if ev.prompt_logprobs is not None:
+            self.prompt_logprobs = ev.prompt_logprobs
         if self.finished:
             return d
         for i, tok in enumerate(ev.token_ids):
             d.token_ids.append(tok)
             if ev.logprobs is not None:
                 d.logprobs.append(ev.logprobs[i])
+            if tok in self.stop_ids:  # the session ends on it; its text is not output
+                continue
             if self._add(self.detok.push([tok])):
                 self.stopped = True
                 d.finish_reason = "stop"
@@ -236,7 +247,8 @@ class ChoiceState:
         if at is None:
             self.held += text
             return False
-        self.held = (self.held + text)[:len(self.held) + at]  # at < 0: the stop began in the held text
+        end = at + (self.matcher.matched if self.include_stop else 0)
+        self.held = (self.held + text)[:len(self.held) + end]  # at < 0: the stop began in the held text
         return True
 
     def _release(self, final: bool) -> str:
@@ -247,12 +259,13 @@ class ChoiceState:
 
 @dataclass
 class _Prepared:
-    """A validated request turned into engine inputs."""
+    """A validated prompt turned into engine inputs (a completions request has one per prompt)."""
 
     prompt_ids: list[int]
     max_new_tokens: int
     grammar: GrammarSource | None = None  # chat: the constraint the request asks for
     in_reasoning: bool = False  # chat: the prompt leaves a <think> block open
+    echo: str = ""  # text the output starts with (chat and completions `echo`)
 
 
 class Generation:
@@ -338,27 +351,75 @@ class SSEStream:
 
 
 class OpenAIServing:
-    """Shared by both endpoints. `k` is the server's speculation depth (0 = plain decode)."""
+    """Shared by the endpoints. `k` is the server's speculation depth (0 = plain decode)."""
 
     def __init__(self, *, tokenizer: Tokenizer, worker: Worker, model_name: str, max_model_len: int,
-                 vocab_size: int, k: int) -> None:
+                 vocab_size: int, k: int, structured: StructuredOutputs | None = None) -> None:
+        """`structured`: the grammar compiler (None: requests that need a grammar get 400)."""
         self.tokenizer, self.worker = tokenizer, worker
         self.model_name, self.max_model_len = model_name, max_model_len
         self.vocab_size, self.k = vocab_size, k
+        self.structured = structured
+        #: Token ids a request may name: the tokenizer's (the model's logit rows past it are padding).
+        self.n_tokens = min(vocab_size, tokenizer.vocab_size)
 
-    def check(self, req: p.ChatCompletionRequest | p.CompletionRequest) -> None:
-        """Checks shared by both endpoints: the model exists, `n` fits the queue, every choice's seed is in
-        range. Logs the request's unknown fields."""
-        log_ignored_fields(req)
-        if req.model != self.model_name:
-            raise APIError(404, f"The model `{printable(req.model, 100)}` does not exist.", param="model",
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model `{printable(model, 100)}` does not exist.", param="model",
                            code="model_not_found")
-        if req.n > self.worker.max_queue:
-            raise APIError(400, f"n must be <= {self.worker.max_queue} (the admission queue size)", param="n")
+
+    def check_ids(self, ids: Sequence[int], param: str) -> None:
+        """Every id names a token of the vocabulary (400 naming the first that does not)."""
+        bad = next((t for t in ids if not 0 <= t < self.n_tokens), None)
+        if bad is not None:
+            raise APIError(400, f"{param}: token id {bad} is out of range: the vocabulary has {self.n_tokens} "
+                                f"tokens (ids 0 to {self.n_tokens - 1})", param=param)
+
+    def check(self, req: p.ChatCompletionRequest | p.CompletionRequest, n_prompts: int = 1) -> None:
+        """Checks shared by both endpoints: the model exists, the choices fit the queue, every choice's seed is
+        in range, token ids name tokens, stream_options only with stream. Logs the unknown fields."""
+        log_ignored_fields(req)
+        self.check_model(req.model)
+        if req.stream_options is not None and not req.stream:
+            raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
+        if req.prompt_logprobs is not None and req.stream:
+            raise APIError(400, "prompt_logprobs is not available with stream: true", param="prompt_logprobs")
+        if req.n * n_prompts > self.worker.max_queue:
+            what = "n" if n_prompts == 1 else "n x the number of prompts"
+            raise APIError(400, f"{what} must be <= {self.worker.max_queue} (the admission queue size)", param="n")
         if req.seed is not None and req.seed + req.n - 1 > p.SEED_MAX:
             raise APIError(400, f"seed + n - 1 must be <= {p.SEED_MAX} (choice i uses seed + i)", param="seed")
+        self.check_ids(list(req.logit_bias_ids()), "logit_bias")
+        self.check_ids(req.stop_token_ids or [], "stop_token_ids")
 
-    def budget(self, prompt_ids: list[int], requested: int | None, *, param: str, prompt_param: str) -> _Prepared:
+    def grammar_source(self, req: p.ChatCompletionRequest | p.CompletionRequest, **tools: Any) -> GrammarSource | None:
+        """The grammar the request asks for (None: free output); 400 for a bad source or min_tokens with one."""
+        try:
+            src = source_from_request(response_format=req.response_format, structured_outputs=req.structured_outputs,
+                                      **tools)
+        except GrammarError as e:
+            raise grammar_error(e) from None
+        if src is not None and req.min_tokens:
+            raise APIError(400, "min_tokens cannot be combined with a grammar (the grammar decides where the output "
+                                "may end)", param="min_tokens")
+        return src
+
+    async def constraint(self, prep: _Prepared) -> Callable[[], SpecConstraint] | None:
+        """Compile the prepared request's grammar off the event loop; a factory of per-choice constraints."""
+        if prep.grammar is None:
+            return None
+        if self.structured is None:
+            raise APIError(400, "structured outputs are not available on this server", param=prep.grammar.param)
+        grammar = await self.structured.compile(prep.grammar)
+        return await self.structured.constraint_factory(grammar, reasoning=prep.in_reasoning)
+
+    def truncate(self, req: p.ChatCompletionRequest | p.CompletionRequest, ids: list[int]) -> list[int]:
+        """`truncate_prompt_tokens`: keep the last N prompt tokens."""
+        n = req.truncate_prompt_tokens
+        return ids[-n:] if n is not None else ids
+
+    def budget(self, prompt_ids: list[int], requested: int | None, *, param: str, prompt_param: str,
+               min_tokens: int = 0) -> _Prepared:
         """Check the prompt against the context; the completion budget is `requested` (the request field
         `param`) or, when None, all the context that is left."""
         n = len(prompt_ids)
@@ -374,114 +435,165 @@ class OpenAIServing:
             raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, you "
                                 f"requested {n + requested} tokens ({n} in the prompt, {requested} for the "
                                 f"completion).", param=param, code="context_length_exceeded")
-        return _Prepared(prompt_ids, requested if requested is not None else self.max_model_len - n)
+        budget = requested if requested is not None else self.max_model_len - n
+        if min_tokens > budget:
+            raise APIError(400, f"min_tokens ({min_tokens}) must be <= {param} ({budget})", param="min_tokens")
+        return _Prepared(prompt_ids, budget)
 
-    def start(self, req: p.ChatCompletionRequest | p.CompletionRequest, prep: _Prepared,
-              constraint: Callable[[], SpecConstraint] | None = None) -> Generation:
-        """Submit one job per choice (choice i gets seed + i; `constraint()` makes each choice's own grammar
-        state). Raises `APIError` 429/503."""
+    def start(self, req: p.ChatCompletionRequest | p.CompletionRequest, preps: list[_Prepared],
+              constraint: Callable[[], SpecConstraint] | None = None, prompt_logprobs: int | None = None) -> Generation:
+        """Submit n jobs per prompt: choice index = prompt index * n + i, choice i gets seed + i, `constraint()`
+        makes each choice's own grammar state, and the first choice of each prompt computes its prompt
+        logprobs when `prompt_logprobs` is set. Raises `APIError` 429/503."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[JobEvent] = asyncio.Queue()
         sampling = req.to_sampling()
-        eos = [] if req.ignore_eos else self.tokenizer.eos_token_ids
+        eos = ([] if req.ignore_eos else list(self.tokenizer.eos_token_ids)) + list(req.stop_token_ids or [])
         stops = req.stop_strings()
         jobs, choices = [], []
-        for i in range(req.n):
-            s = sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + i)
-            jobs.append(Job(i, prep.prompt_ids, prep.max_new_tokens, s, eos, req.num_logprobs, loop, events,
-                            constraint=constraint() if constraint is not None else None))
-            choices.append(ChoiceState(i, self.tokenizer, prep.prompt_ids, stops, reasoning=prep.in_reasoning))
+        for prep in preps:
+            for i in range(req.n):
+                s = sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + i)
+                index = len(jobs)
+                jobs.append(Job(index, prep.prompt_ids, prep.max_new_tokens, s, eos, req.num_logprobs, loop, events,
+                                constraint=constraint() if constraint is not None else None,
+                                prompt_logprobs=prompt_logprobs if i == 0 else None))
+                choices.append(ChoiceState(index, self.tokenizer, prep.prompt_ids, stops,
+                                           skip_special_tokens=req.skip_special_tokens,
+                                           include_stop=req.include_stop_str_in_output, stop_ids=frozenset(eos),
+                                           reasoning=prep.in_reasoning))
         try:
             self.worker.submit(jobs)
         except QueueFull as e:
             raise APIError(429, str(e), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except Unavailable as e:
             raise APIError(503, str(e), code="unavailable") from None
-        return Generation(jobs, choices, events, self.worker.metrics, len(prep.prompt_ids))
+        return Generation(jobs, choices, events, self.worker.metrics, sum(len(x.prompt_ids) for x in preps))
 
-    def usage(self, gen: Generation, prompt_tokens: int) -> p.UsageInfo:
+    def usage(self, gen: Generation, prompt_tokens: int, final: bool = True) -> p.UsageInfo:
+        """The request's usage (`final` False: the counts so far, without spec telemetry)."""
         completion = sum(len(c.token_ids) for c in gen.choices)
-        spec = p.SpecUsage(**gen.telemetry().to_dict(self.k)) if self.k > 0 else None
+        spec = p.SpecUsage(**gen.telemetry().to_dict(self.k)) if self.k > 0 and final else None
         return p.UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion,
                            total_tokens=prompt_tokens + completion, spec=spec)
 
-    def token_text(self, tok: int) -> str:
-        return self.tokenizer.decode([tok])
+    def token_text(self, tok: int, as_id: bool = False) -> str:
+        """A token's text (`token_id:N` when `as_id`, vLLM's return_tokens_as_token_ids)."""
+        return f"token_id:{tok}" if as_id else self.tokenizer.decode([tok])
+
+    def prompt_logprobs(self, lps: list[TokenLogprob | None] | None) -> p.PromptLogprobs | None:
+        """vLLM's prompt_logprobs: per prompt token {token id: (logprob, rank, text)} for the token itself and
+        the top alternatives (None for the first token)."""
+        if lps is None:
+            return None
+        out: p.PromptLogprobs = []
+        for x in lps:
+            if x is None:
+                out.append(None)
+                continue
+            entry = {str(t): p.PromptLogprob(logprob=v, rank=r + 1, decoded_token=self.token_text(t))
+                     for r, (t, v) in enumerate(x.top)}
+            entry[str(x.token)] = p.PromptLogprob(logprob=x.logprob, rank=x.rank, decoded_token=self.token_text(x.token))
+            out.append(entry)
+        return out
+
+
+def _content_text(content: str | list[p.ContentPart] | None) -> str:
+    return content if isinstance(content, str) else "\n".join(part.text or "" for part in content or [])
+
+
+#: Chat fields nextn knows and cannot honour (each a 400 naming it), with why.
+_CHAT_UNSUPPORTED = {"functions": "deprecated: use tools", "function_call": "deprecated: use tool_choice",
+                     "audio": "audio output is not supported", "prediction": "predicted outputs are not supported",
+                     "web_search_options": "web search is not supported"}
 
 
 class ServingChat(OpenAIServing):
     """POST /v1/chat/completions: structured outputs and tool calls (`structured`), reasoning split."""
 
-    def __init__(self, *, special_tokens_in_content: bool = False, structured: StructuredOutputs | None = None,
-                 **kw: Any) -> None:
+    def __init__(self, *, special_tokens_in_content: bool = False, **kw: Any) -> None:
         """`special_tokens_in_content`: tokenize special-token text inside messages as control tokens (the
-        --allow-special-tokens-in-content setting, for trusted callers); by default it is plain text.
-        `structured`: the grammar compiler (None: requests that need a grammar get 400)."""
+        --allow-special-tokens-in-content setting, for trusted callers); by default it is plain text."""
         super().__init__(**kw)
         self.special_tokens_in_content = special_tokens_in_content
-        self.structured = structured
 
     async def create(self, req: p.ChatCompletionRequest) -> p.ChatCompletionResponse | SSEStream:
         """Validate, compile the request's grammar (off the event loop), submit, and return the full response,
         or an `SSEStream` when `req.stream`. Raises `APIError` for anything the client got wrong and for
         429/503/500."""
-        prep = await asyncio.to_thread(self._prepare, req)
-        constraint = None
-        if prep.grammar is not None:
-            if self.structured is None:
-                raise APIError(400, "structured outputs are not available on this server", param=prep.grammar.param)
-            grammar = await self.structured.compile(prep.grammar)
-            constraint = await self.structured.constraint_factory(grammar, reasoning=prep.in_reasoning)
-        gen = self.start(req, prep, constraint)
+        prep, gen = await self.submit(req)
         rid = p.random_id("chatcmpl")
         if req.stream:
             return SSEStream(self._stream(req, rid, gen, prep), gen.cancel)
         return await self._full(req, rid, gen, prep)
 
+    async def submit(self, req: p.ChatCompletionRequest) -> tuple[_Prepared, Generation]:
+        """Prepare (in a thread), compile the grammar, submit the jobs."""
+        prep = await asyncio.to_thread(self._prepare, req)
+        constraint = await self.constraint(prep)
+        return prep, self.start(req, [prep], constraint, prompt_logprobs=req.prompt_logprobs)
+
     def _prepare(self, req: p.ChatCompletionRequest) -> _Prepared:
         """Checks, the grammar source, chat template and tokenization (runs in a worker thread)."""
         self.check(req)
-        try:
-            src = source_from_request(response_format=req.response_format, structured_outputs=req.structured_outputs,
-                                      tools=req.tools, tool_choice=req.tool_choice,
-                                      parallel_tool_calls=req.parallel_tool_calls)
-        except GrammarError as e:
-            raise grammar_error(e) from None
-        prep = self.budget(self._prompt_ids(req), req.max_new_tokens, prompt_param="messages",
+        for name, why in _CHAT_UNSUPPORTED.items():
+            if getattr(req, name) is not None:
+                raise APIError(400, f"{name}: {why}", param=name)
+        if req.modalities is not None and req.modalities != ["text"]:
+            raise APIError(400, 'modalities: only ["text"] is supported', param="modalities")
+        if req.continue_final_message and req.add_generation_prompt:
+            raise APIError(400, "continue_final_message needs add_generation_prompt: false",
+                           param="continue_final_message")
+        src = self.grammar_source(req, tools=req.tools, tool_choice=req.tool_choice,
+                                  parallel_tool_calls=req.parallel_tool_calls)
+        ids = self.truncate(req, self.chat_prompt_ids(req.messages, tools=req.tools,
+                                                      add_generation_prompt=req.add_generation_prompt,
+                                                      continue_final_message=req.continue_final_message,
+                                                      kwargs=req.chat_template_kwargs,
+                                                      reasoning_effort=req.reasoning_effort))
+        prep = self.budget(ids, req.max_new_tokens, prompt_param="messages", min_tokens=req.min_tokens,
                            param="max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
         prep.grammar = src
         prep.in_reasoning = opens_reasoning(self.tokenizer, prep.prompt_ids)
+        last = req.messages[-1]
+        if req.echo and last.role == ("assistant" if req.add_generation_prompt else last.role):
+            prep.echo = _content_text(last.content)
         return prep
 
-    def _prompt_ids(self, req: p.ChatCompletionRequest) -> list[int]:
+    def chat_prompt_ids(self, msgs: list[p.ChatMessage], *, tools: list[dict[str, Any]] | None = None,
+                        add_generation_prompt: bool = True, continue_final_message: bool = False,
+                        kwargs: dict[str, Any] | None = None, reasoning_effort: str | None = None) -> list[int]:
+        """The chat template's prompt ids (400 for content that cannot be served or a template error)."""
         messages = []
-        for i, m in enumerate(req.messages):
+        for i, m in enumerate(msgs):
             content = m.content
             if isinstance(content, list):
                 bad = [part.type for part in content if part.type != "text" or part.text is None]
                 if bad:
                     raise APIError(400, f"only text content parts are supported, got {bad[0]!r}",
                                    param=f"messages.{i}.content")
-                content = "\n".join(part.text for part in content)  # type: ignore[misc]
+                content = _content_text(content)
             role = "system" if m.role == "developer" else m.role  # OpenAI's newer name for system
             messages.append({"role": role, "content": content, "name": m.name, "tool_calls": m.tool_calls,
                              "tool_call_id": m.tool_call_id})
-        thinking = (req.chat_template_kwargs or {}).get("enable_thinking")
+        thinking = (kwargs or {}).get("enable_thinking")
+        if thinking is None and reasoning_effort == "none":
+            thinking = False
         try:
-            return self.tokenizer.encode_chat(messages, add_generation_prompt=True, tools=req.tools,
-                                              enable_thinking=thinking,
+            return self.tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                              enable_thinking=thinking, continue_final_message=continue_final_message,
                                               special_tokens_in_content=self.special_tokens_in_content)
         except ValueError as e:
             raise APIError(400, printable(e, 500), param="messages") from None
 
     @staticmethod
-    def _output(req: p.ChatCompletionRequest, prep: _Prepared) -> ChatOutput:
+    def output(req: p.ChatCompletionRequest, prep: _Prepared) -> ChatOutput:
         """A choice's output chain: reasoning split; tool-call parsing when tools are offered."""
         tools = req.tools if req.tools and req.tool_choice != "none" else None
         return ChatOutput(in_reasoning=prep.in_reasoning, tools=tools, parallel=req.parallel_tool_calls is not False)
 
     @staticmethod
-    def _finish_reason(reason: str | None, out: ChatOutput) -> str | None:
+    def finish_reason(reason: str | None, out: ChatOutput) -> str | None:
         return "tool_calls" if reason == "stop" and out.calls else reason
 
     @staticmethod
@@ -497,10 +609,12 @@ class ServingChat(OpenAIServing):
                 cur.function.arguments = (cur.function.arguments or "") + d.arguments
         return list(out.values()) or None
 
-    def _logprobs(self, lps: list[TokenLogprob]) -> p.ChatChoiceLogprobs:
+    def _logprobs(self, req: p.ChatCompletionRequest, lps: list[TokenLogprob]) -> p.ChatChoiceLogprobs:
+        as_id = req.return_tokens_as_token_ids
+
         def entry(tok: int, lp: float) -> p.TopLogprob:
-            text = self.token_text(tok)
-            return p.TopLogprob(token=text, logprob=lp, bytes=list(text.encode()))
+            text = self.token_text(tok, as_id)
+            return p.TopLogprob(token=text, logprob=lp, bytes=list(self.token_text(tok).encode()))
 
         return p.ChatChoiceLogprobs(content=[
             p.ChatTokenLogprob(**entry(x.token, x.logprob).model_dump(),
@@ -513,31 +627,37 @@ class ServingChat(OpenAIServing):
                 pass
         choices = []
         for c in gen.choices:
-            out = self._output(req, prep)
+            out = self.output(req, prep)
             out.push(c.text)
             out.finish()
             calls = [p.ToolCall(id=t.id, function=p.FunctionCall(name=t.name, arguments=t.arguments))
                      for t in out.calls]
-            message = p.ChatResponseMessage(content=out.content or (None if calls or out.reasoning else ""),
+            content = prep.echo + out.content
+            message = p.ChatResponseMessage(content=content or (None if calls or out.reasoning else ""),
                                             reasoning_content=out.reasoning or None, tool_calls=calls)
             choices.append(p.ChatCompletionChoice(
-                index=c.index, message=message, logprobs=self._logprobs(c.logprobs) if req.logprobs else None,
-                finish_reason=self._finish_reason(c.finish_reason, out),
+                index=c.index, message=message, logprobs=self._logprobs(req, c.logprobs) if req.logprobs else None,
+                finish_reason=self.finish_reason(c.finish_reason, out),
                 token_ids=c.token_ids if req.return_token_ids else None))
         return p.ChatCompletionResponse(id=rid, model=self.model_name, choices=choices,
                                         usage=self.usage(gen, len(prep.prompt_ids)),
-                                        prompt_token_ids=prep.prompt_ids if req.return_token_ids else None)
+                                        prompt_token_ids=prep.prompt_ids if req.return_token_ids else None,
+                                        prompt_logprobs=self.prompt_logprobs(gen.choices[0].prompt_logprobs))
 
     async def _stream(self, req: p.ChatCompletionRequest, rid: str, gen: Generation,
                       prep: _Prepared) -> AsyncIterator[str]:
         created = int(time.time())
-        outs = [self._output(req, prep) for _ in range(req.n)]
+        outs = [self.output(req, prep) for _ in range(req.n)]
+        n_prompt = len(prep.prompt_ids)
 
         def chunk(choices: list[p.ChatCompletionStreamChoice], **kw: Any) -> str:
+            if req.continuous_usage and choices:
+                kw["usage"] = self.usage(gen, n_prompt, final=False)
             return sse(p.ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=choices, **kw))
 
         try:
-            yield chunk([p.ChatCompletionStreamChoice(index=i, delta=p.DeltaMessage(role="assistant", content=""))
+            yield chunk([p.ChatCompletionStreamChoice(index=i, delta=p.DeltaMessage(role="assistant",
+                                                                                     content=prep.echo))
                          for i in range(req.n)],
                         prompt_token_ids=prep.prompt_ids if req.return_token_ids else None)
             async with contextlib.aclosing(gen.deltas()) as deltas:
@@ -550,96 +670,169 @@ class ServingChat(OpenAIServing):
                                          od.tool_calls + end.tool_calls)
                     delta = p.DeltaMessage(content=od.content or None, reasoning_content=od.reasoning or None,
                                            tool_calls=self._tool_deltas(od.tool_calls))
-                    lps = self._logprobs(d.logprobs) if req.logprobs and d.logprobs else None
+                    lps = self._logprobs(req, d.logprobs) if req.logprobs and d.logprobs else None
                     ids = d.token_ids if req.return_token_ids else None
                     if delta.content or delta.reasoning_content or delta.tool_calls or d.finish_reason or lps or ids:
                         yield chunk([p.ChatCompletionStreamChoice(
                             index=d.index, delta=delta, logprobs=lps, token_ids=ids,
-                            finish_reason=self._finish_reason(d.finish_reason, out))])
+                            finish_reason=self.finish_reason(d.finish_reason, out))])
             if req.include_usage:
-                yield chunk([], usage=self.usage(gen, len(prep.prompt_ids)))
+                yield chunk([], usage=self.usage(gen, n_prompt))
         except APIError as e:
             yield sse(e.body())
         except Exception as e:  # noqa: BLE001 - the stream has started: report it in-band
             yield sse(internal_error("chat stream failed", e).body())
         yield sse("[DONE]")
 
+    # -------------------------------------------------------------------- vLLM's /tokenize, /detokenize
+
+    def tokenize(self, req: p.TokenizeRequest) -> p.TokenizeResponse:
+        """Token ids of a prompt (tokenizer.encode) or of chat messages (the chat template), vLLM's shapes."""
+        log_ignored_fields(req)
+        self.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages", param="prompt")
+        if req.messages is not None:
+            if req.continue_final_message and req.add_generation_prompt:
+                raise APIError(400, "continue_final_message needs add_generation_prompt: false",
+                               param="continue_final_message")
+            ids = self.chat_prompt_ids(req.messages, tools=req.tools, add_generation_prompt=req.add_generation_prompt,
+                                       continue_final_message=req.continue_final_message,
+                                       kwargs=req.chat_template_kwargs)
+        else:
+            ids = self.tokenizer.encode(req.prompt or "", add_special_tokens=bool(req.add_special_tokens
+                                                                                  is not False))
+        strs = [self.token_text(t) for t in ids] if req.return_token_strs else None
+        return p.TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=strs)
+
+    def detokenize(self, req: p.DetokenizeRequest) -> p.DetokenizeResponse:
+        log_ignored_fields(req)
+        self.check_model(req.model)
+        self.check_ids(req.tokens, "tokens")
+        return p.DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
+
 
 class ServingCompletion(OpenAIServing):
-    """POST /v1/completions (one prompt per request: text or token ids)."""
+    """POST /v1/completions: one or more prompts (text or token ids), n choices each."""
 
     async def create(self, req: p.CompletionRequest) -> p.CompletionResponse | SSEStream:
         """Validate, submit and return the full response, or an `SSEStream` when `req.stream`.
         Raises `APIError` for anything the client got wrong and for 429/503/500."""
-        prep = await asyncio.to_thread(self._prepare, req)
-        gen = self.start(req, prep)
+        preps = await asyncio.to_thread(self._prepare, req)
+        constraint = await self.constraint(preps[0])
+        want = [x for x in (req.prompt_logprobs, req.logprobs if req.echo else None) if x is not None]
+        gen = self.start(req, preps, constraint, prompt_logprobs=max(want) if want else None)
         rid = p.random_id("cmpl")
         if req.stream:
-            return SSEStream(self._stream(req, rid, gen, prep), gen.cancel)
-        return await self._full(req, rid, gen, prep)
+            return SSEStream(self._stream(req, rid, gen, preps), gen.cancel)
+        return await self._full(req, rid, gen, preps)
 
-    def _prepare(self, req: p.CompletionRequest) -> _Prepared:
+    def _prepare(self, req: p.CompletionRequest) -> list[_Prepared]:
         """Checks and tokenization (runs in a worker thread)."""
-        self.check(req)
-        return self.budget(self._prompt_ids(req.prompt), req.max_tokens, param="max_tokens", prompt_param="prompt")
+        prompts = req.prompt if isinstance(req.prompt, list) and req.prompt and not isinstance(req.prompt[0], int) \
+            else [req.prompt]
+        if len(prompts) > p.MAX_PROMPTS:
+            raise APIError(400, f"at most {p.MAX_PROMPTS} prompts per request, got {len(prompts)}", param="prompt")
+        self.check(req, n_prompts=len(prompts))
+        if req.suffix:
+            raise APIError(400, "suffix (insertion) is not supported", param="suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise APIError(400, "best_of must equal n (no server-side ranking of choices)", param="best_of")
+        src = self.grammar_source(req)
+        preps = []
+        for i, prompt in enumerate(prompts):
+            where = "prompt" if len(prompts) == 1 else f"prompt.{i}"
+            ids = self.truncate(req, self._prompt_ids(prompt, where))  # type: ignore[arg-type]
+            prep = self.budget(ids, req.max_tokens, param="max_tokens", prompt_param=where, min_tokens=req.min_tokens)
+            prep.grammar = src  # completions are raw text: no reasoning phase
+            if req.echo:
+                prep.echo = prompt if isinstance(prompt, str) and req.truncate_prompt_tokens is None \
+                    else self.tokenizer.decode(prep.prompt_ids)
+            preps.append(prep)
+        return preps
 
-    def _prompt_ids(self, prompt: str | list[int] | list[str] | list[list[int]]) -> list[int]:
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            if len(prompt) != 1:
-                raise APIError(400, "batched prompts are not supported; send one prompt per request",
-                               param="prompt")
-            prompt = prompt[0]
+    def _prompt_ids(self, prompt: str | list[int], param: str) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]  # type: ignore[operator]
-        if bad:
-            raise APIError(400, f"token id {bad[0]} is out of range [0, {self.vocab_size})", param="prompt")
-        return list(prompt)  # type: ignore[arg-type]
+        self.check_ids(prompt, param)
+        return list(prompt)
 
-    def _logprobs(self, lps: list[TokenLogprob], offset: int) -> p.CompletionLogprobs:
+    def _logprobs(self, req: p.CompletionRequest, entries: Sequence[tuple[int, TokenLogprob | None]],
+                  offset: int) -> p.CompletionLogprobs:
+        """Completions logprobs of (token, logprob) entries starting at text `offset`: each token's text, logprob
+        and top alternatives, the token itself always among them (so logprobs 0 gives its entry); None entries
+        (the first echoed prompt token) are null."""
+        as_id = req.return_tokens_as_token_ids
         out = p.CompletionLogprobs()
-        for x in lps:
-            text = self.token_text(x.token)
+        for tok, x in entries:
+            text = self.token_text(tok, as_id)
             out.tokens.append(text)
-            out.token_logprobs.append(x.logprob)
-            out.top_logprobs.append({self.token_text(t): v for t, v in x.top})
             out.text_offset.append(offset)
-            offset += len(text)
+            offset += len(self.token_text(tok))
+            if x is None:
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+                continue
+            out.token_logprobs.append(x.logprob)
+            top = {self.token_text(t, as_id): v for t, v in x.top[:req.logprobs or 0]}
+            top.setdefault(text, x.logprob)
+            out.top_logprobs.append(top)
         return out
 
-    def _choice(self, req: p.CompletionRequest, c: ChoiceState | Delta, prompt_ids: list[int] | None,
-                text: str, offset: int) -> p.CompletionChoice:
+    def _echo_logprobs(self, req: p.CompletionRequest, gen: Generation, prep: _Prepared,
+                       index: int) -> p.CompletionLogprobs | None:
+        first = gen.choices[index - index % req.n]  # the prompt's first choice computed its prompt logprobs
+        if not (req.echo and req.logprobs is not None and first.prompt_logprobs is not None):
+            return None
+        return self._logprobs(req, list(zip(prep.prompt_ids, first.prompt_logprobs)), 0)
+
+    def _choice(self, req: p.CompletionRequest, gen: Generation, prep: _Prepared, c: ChoiceState | Delta,
+                text: str, offset: int, head: bool) -> p.CompletionChoice:
+        """One choice (or streamed piece); `head`: the first piece of the choice (echo, prompt ids and prompt
+        logprobs go with it)."""
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs = self._logprobs(req, [(x.token, x) for x in c.logprobs], offset + (len(prep.echo) if head else 0))
+            echo = self._echo_logprobs(req, gen, prep, c.index) if head else None
+            if echo is not None:
+                for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                    setattr(logprobs, name, getattr(echo, name) + getattr(logprobs, name))
+        first = gen.choices[c.index - c.index % req.n]
         return p.CompletionChoice(
-            index=c.index, text=text, finish_reason=c.finish_reason,
-            logprobs=self._logprobs(c.logprobs, offset) if req.logprobs is not None else None,
-            prompt_token_ids=prompt_ids if req.return_token_ids else None,
-            token_ids=c.token_ids if req.return_token_ids else None)
+            index=c.index, text=(prep.echo if head else "") + text, finish_reason=c.finish_reason, logprobs=logprobs,
+            prompt_token_ids=prep.prompt_ids if req.return_token_ids and head else None,
+            token_ids=c.token_ids if req.return_token_ids else None,
+            prompt_logprobs=self.prompt_logprobs(first.prompt_logprobs) if head and req.prompt_logprobs is not None
+            else None)
 
     async def _full(self, req: p.CompletionRequest, rid: str, gen: Generation,
-                    prep: _Prepared) -> p.CompletionResponse:
+                    preps: list[_Prepared]) -> p.CompletionResponse:
         async with contextlib.aclosing(gen.deltas()) as deltas:
             async for _ in deltas:
                 pass
-        return p.CompletionResponse(id=rid, model=self.model_name,
-                                    choices=[self._choice(req, c, prep.prompt_ids, c.text, 0) for c in gen.choices],
-                                    usage=self.usage(gen, len(prep.prompt_ids)))
+        choices = [self._choice(req, gen, preps[c.index // req.n], c, c.text, 0, True) for c in gen.choices]
+        return p.CompletionResponse(id=rid, model=self.model_name, choices=choices,
+                                    usage=self.usage(gen, sum(len(x.prompt_ids) for x in preps)))
 
     async def _stream(self, req: p.CompletionRequest, rid: str, gen: Generation,
-                      prep: _Prepared) -> AsyncIterator[str]:
+                      preps: list[_Prepared]) -> AsyncIterator[str]:
         head = p.CompletionResponse(id=rid, model=self.model_name, choices=[], usage=None)
-        offsets = [0] * req.n
-        sent_prompt = [False] * req.n
+        n_choices = len(gen.choices)
+        offsets = [0] * n_choices
+        started = [False] * n_choices
+        n_prompt = sum(len(x.prompt_ids) for x in preps)
         try:
             async with contextlib.aclosing(gen.deltas()) as deltas:
                 async for d in deltas:
-                    prompt_ids = None if sent_prompt[d.index] else prep.prompt_ids
-                    sent_prompt[d.index] = True
-                    choice = self._choice(req, d, prompt_ids, d.text, offsets[d.index])
-                    if choice.logprobs is not None:
-                        offsets[d.index] += sum(len(t) for t in choice.logprobs.tokens)
-                    yield sse(head.model_copy(update={"choices": [choice]}))
+                    prep = preps[d.index // req.n]
+                    first = not started[d.index]
+                    started[d.index] = True
+                    choice = self._choice(req, gen, prep, d, d.text, offsets[d.index], first)
+                    offsets[d.index] += len(choice.text)
+                    usage = self.usage(gen, n_prompt, final=False) if req.continuous_usage else None
+                    yield sse(head.model_copy(update={"choices": [choice], "usage": usage}))
             if req.include_usage:
-                yield sse(head.model_copy(update={"usage": self.usage(gen, len(prep.prompt_ids))}))
+                yield sse(head.model_copy(update={"usage": self.usage(gen, n_prompt)}))
         except APIError as e:
             yield sse(e.body())
         except Exception as e:  # noqa: BLE001 - the stream has started: report it in-band

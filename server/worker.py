@@ -46,6 +46,7 @@ class JobEvent:
     index: int
     token_ids: list[int]
     logprobs: list[Any] | None = None
+    prompt_logprobs: list[Any] | None = None  # with the job's first tokens, when it asked for them
     done: bool = False
     finish_reason: str | None = None
     error: BaseException | None = None
@@ -69,6 +70,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue[JobEvent]
     constraint: SpecConstraint | None = None  # this choice's grammar (one per choice: it holds matcher state)
+    prompt_logprobs: int | None = None  # compute the prompt tokens' logprobs (+ this many alternatives)
     arrival: float = field(default_factory=time.monotonic)
     telem: SpecTelemetry = field(default_factory=SpecTelemetry)
     cancel_reason: str | None = None
@@ -261,7 +263,7 @@ class Worker:
             sess = self.session_factory(self.model, job.prompt_ids, job.max_new_tokens, k=self.k,
                                         sampling=job.sampling, constraint=job.constraint, eos_ids=list(job.eos_ids),
                                         p_min=self.p_min, capmax=self.capmax, logprobs=job.logprobs,
-                                        pool=self.scheduler.pool)
+                                        pool=self.scheduler.pool, prompt_logprobs=job.prompt_logprobs)
         except Exception as e:  # noqa: BLE001 - a bad session fails its own request only
             log.exception("creating a session failed")
             self._finish(job, "error", error=e)
@@ -284,14 +286,16 @@ class Worker:
             a.seen = sess.telem.copy()
             self.metrics.add_spec(delta)
             job.telem.merge(delta)
-            if a.last_emit is None:
+            first = a.last_emit is None
+            if first:
                 if job.index == 0:  # one TTFT sample per request: its first choice's first token
                     self.metrics.observe_ttft(t1 - job.arrival)
             else:
                 self.metrics.observe_itl(t1 - a.last_emit)
             a.last_emit = t1
             lps = list(sess.logprobs[len(sess.emitted) - len(new_ids):]) if job.logprobs is not None else None
-            job.publish(JobEvent(job.index, list(new_ids), lps))
+            plps = list(sess.prompt_logprobs) if first and job.prompt_logprobs is not None else None
+            job.publish(JobEvent(job.index, list(new_ids), lps, prompt_logprobs=plps))
         for sess in res.finished:
             a = self._active.get(sess)
             if a is None:

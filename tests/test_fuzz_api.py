@@ -24,7 +24,7 @@ import requests
 import schemathesis
 from hypothesis import given
 from hypothesis import strategies as st
-from hypothesis.errors import Unsatisfiable
+from hypothesis.errors import FailedHealthCheck, Unsatisfiable
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (
@@ -41,8 +41,13 @@ from tests.server_fixtures import ServerThread
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance,
           response_schema_conformance, negative_data_rejection]
 #: (method, path, CI examples per mode): the generating routes get most of the budget.
-OPERATIONS = [("POST", "/v1/chat/completions", 100), ("POST", "/v1/completions", 100),
-              ("GET", "/v1/models", 5), ("GET", "/health", 5), ("GET", "/ready", 5), ("GET", "/metrics", 5)]
+OPERATIONS = [("POST", "/v1/chat/completions", 100), ("POST", "/v1/completions", 100), ("POST", "/v1/responses", 40),
+              ("POST", "/tokenize", 20), ("POST", "/detokenize", 20), ("GET", "/v1/models", 5),
+              ("GET", "/v1/models/{model_id}", 5), ("GET", "/version", 5), ("GET", "/health", 5), ("GET", "/ready", 5),
+              ("GET", "/metrics", 5)]
+#: Responses options that are a documented 400 whatever their value (positive bodies drop them to reach the engine).
+RESPONSES_REFUSED = ("previous_response_id", "conversation", "prompt", "background", "include", "tools", "top_logprobs",
+                     "tool_choice", "truncation", "text")
 
 
 @pytest.fixture(scope="module")
@@ -65,10 +70,19 @@ def sse_validator(doc: dict[str, Any], path: str) -> jsonschema.Draft202012Valid
     return jsonschema.Draft202012Validator({**payload, "components": doc["components"]})
 
 
-def check_events(response: Any, validator: jsonschema.Draft202012Validator) -> None:
-    """Every event of a stream is `data: <JSON the schema documents>`, and the last is `data: [DONE]`."""
+def check_events(response: Any, validator: jsonschema.Draft202012Validator, path: str) -> None:
+    """Every event of a stream is `data: <JSON the schema documents>`, and the last is `data: [DONE]`; a Responses
+    stream's events are `event: <type>` + `data: <that type's event>`, the last response.completed or error."""
     assert not response.stream_cut_short
     events = [e for e in response.text.split("\n\n") if e]
+    if path == "/v1/responses":
+        for e in events:
+            head, _, data = e.partition("\ndata: ")
+            assert head.startswith("event: ") and "\n" not in data, e[:200]
+            validator.validate(json.loads(data))
+            assert json.loads(data)["type"] == head[len("event: "):]
+        assert events and events[-1].split("\n")[0] in ("event: response.completed", "event: error"), events[-1:]
+        return
     assert events and events[-1] == "data: [DONE]", events[-1:]
     for e in events[:-1]:
         assert e.startswith("data: ") and "\n" not in e, e[:200]
@@ -78,7 +92,11 @@ def check_events(response: Any, validator: jsonschema.Draft202012Validator) -> N
 def prepare(case: Any, mode: GenerationMode, model: str, vocab: int) -> None:
     """Point the body at the served model (no schema constraint on it, so the mode is kept). Positive bodies
     stay valid but are steered to generate: chat gets a final user message (the template wants one), a
-    completions prompt is a single non-empty prompt of in-vocabulary ids, max_tokens fits the context."""
+    completions prompt is a single non-empty prompt of in-vocabulary ids, max_tokens fits the context; a
+    Responses body gets a text input and no option that is always refused; /tokenize gets exactly one of prompt
+    and messages, /detokenize in-vocabulary ids."""
+    if case.path == "/v1/models/{model_id}" and mode == GenerationMode.POSITIVE:
+        case.path_parameters = {"model_id": model}
     body = case.body
     if not isinstance(body, dict):
         return
@@ -86,6 +104,18 @@ def prepare(case: Any, mode: GenerationMode, model: str, vocab: int) -> None:
         body["model"] = model
     if mode != GenerationMode.POSITIVE:
         return
+    if case.path == "/v1/responses":
+        body["input"] = body["input"] if isinstance(body.get("input"), str) else "Hi"
+        for name in RESPONSES_REFUSED:
+            body.pop(name, None)
+        if isinstance(body.get("max_output_tokens"), int):
+            body["max_output_tokens"] = 1 + body["max_output_tokens"] % 16
+        return
+    if case.path == "/tokenize":
+        body.pop("messages", None)
+        body["prompt"] = body["prompt"] if isinstance(body.get("prompt"), str) else "x"
+    if case.path == "/detokenize" and isinstance(body.get("tokens"), list):
+        body["tokens"] = [t % vocab for t in body["tokens"]]
     if isinstance(body.get("messages"), list):
         body["messages"] = [m for m in body["messages"] if m.get("role") in ("user", "assistant")][-3:] + \
             [{"role": "user", "content": "Hi"}]
@@ -106,22 +136,23 @@ def test_every_response_is_documented(server: ServerThread, api: Any, method: st
                                       mode: GenerationMode) -> None:
     operation = api[path][method]
     session = requests.Session()
-    events = sse_validator(api.raw_schema, path) if method == "POST" else None
+    streams = "text/event-stream" in api.raw_schema["paths"][path][method.lower()]["responses"]["200"]["content"]
+    events = sse_validator(api.raw_schema, path) if streams else None
     statuses: dict[int, int] = {}
 
     @fuzz_settings(examples)
     @given(case=operation.as_strategy(mode))
     def run(case: Any) -> None:
-        prepare(case, mode, server.model, server.worker.model.config.vocab_size)
+        prepare(case, mode, server.model, server.app.state.serving_chat.n_tokens)
         response = case.call_and_validate(session=session, checks=CHECKS, timeout=60)
         statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
         if events is not None and response.headers.get("content-type", [""])[0].startswith("text/event-stream"):
-            check_events(response, events)
+            check_events(response, events, path)
 
     try:
         run()
-    except Unsatisfiable:  # an operation without parameters has no negative cases
-        assert mode == GenerationMode.NEGATIVE and method == "GET"
+    except (Unsatisfiable, FailedHealthCheck):  # an operation without parameters (or with only a free-text path
+        assert mode == GenerationMode.NEGATIVE and method == "GET"  # parameter) has no negative cases
         return
     if method == "POST" and mode == GenerationMode.POSITIVE:
         assert statuses.get(200, 0) >= examples // 3, statuses  # the fuzz reached the engine, not only errors

@@ -425,7 +425,7 @@ def test_cancelled_stream_adds_exactly_its_rounds(compat_server):
     assert sess.finish_reason == "abort" and len(sess.emitted) < max_tokens, "the session ran to completion"
     _, after = scrape(srv.url)
     increase = spec_counters(after).delta_since(spec_counters(before))
-    assert sess.telem.rounds >= 3  # at least the three bursts the client received
+    assert sess.telem.rounds >= 2  # the three chunks the client received: the prefill's first token + >= 2 rounds
     assert as_tuple(increase) == as_tuple(sess.telem)
     aborts = lambda s: s[("nextn_request_success_total",  # noqa: E731
                           frozenset({"model_name": srv.model, "engine": "0", "finished_reason": "abort"}.items()))]

@@ -400,7 +400,6 @@ BAD_REQUESTS = [
     ("prompt-plus-max-tokens-over-context", "/completions",
      {"prompt": [1] * 10, "max_tokens": MAX_MODEL_LEN, "messages": None}, None, 400, "max_tokens"),
     ("token-id-out-of-range", "/completions", {"prompt": [10 ** 6], "messages": None}, None, 400, "prompt"),
-    ("batched-prompts", "/completions", {"prompt": ["a", "b"], "messages": None}, None, 400, "prompt"),
     ("unknown-route", "/nothing-here", {}, None, 404, None),
 ]
 

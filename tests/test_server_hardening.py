@@ -425,8 +425,10 @@ def test_open_connections_are_capped():
 
 def test_api_key_guards_every_v1_route_and_never_reaches_a_log(caplog):
     with caplog.at_level(logging.DEBUG), ServerThread(api_key=API_KEY, log_level="debug") as s:
-        routes = [(m, r.path) for r in server_app.v1.routes for m in r.methods]
-        assert {path for _, path in routes} == {"/v1/chat/completions", "/v1/completions", "/v1/models"}
+        routes = [(m, r.path.replace("{model_id:path}", s.model))
+                  for r in server_app.v1.routes + server_app.tokens.routes for m in r.methods]
+        assert {path for _, path in routes} == {"/v1/chat/completions", "/v1/completions", "/v1/responses",
+                                                "/v1/models", f"/v1/models/{s.model}", "/tokenize", "/detokenize"}
         for method, path in routes:
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
                 r = httpx.request(method, s.url + path, headers=headers, json={})
@@ -463,22 +465,30 @@ def _resolve(schema: dict, ref: str) -> dict:
 def test_openapi_documents_every_route_body_and_error(srv):
     doc = httpx.get(srv.url + "/openapi.json").json()
     documented = {(m.upper(), path) for path, ops in doc["paths"].items() for m in ops}
-    served = {(m, r.path) for r in server_app.v1.routes + server_app.ops.routes for m in r.methods}
+    routers = server_app.v1.routes + server_app.tokens.routes + server_app.ops.routes
+    served = {(m, r.path.replace(":path", "")) for r in routers for m in r.methods}
     assert documented == served
-    assert {path for _, path in served} == {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health",
-                                            "/ready", "/metrics"}
-    for path, model in (("/v1/chat/completions", p.ChatCompletionRequest), ("/v1/completions", p.CompletionRequest)):
+    assert {path for _, path in served} == {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models",
+                                            "/v1/models/{model_id}", "/tokenize", "/detokenize", "/version",
+                                            "/health", "/ready", "/metrics"}
+    bodies = (("/v1/chat/completions", p.ChatCompletionRequest, True), ("/v1/completions", p.CompletionRequest, True),
+              ("/v1/responses", p.ResponsesRequest, True), ("/tokenize", p.TokenizeRequest, False),
+              ("/detokenize", p.DetokenizeRequest, False))
+    for path, model, streams in bodies:
         op = doc["paths"][path]["post"]
         body = _resolve(doc, op["requestBody"]["content"]["application/json"]["schema"]["$ref"])
         assert set(body["properties"]) == set(model.model_fields)
         nested = model.model_json_schema(ref_template="#/components/schemas/{model}").get("$defs", {})
         assert all(doc["components"]["schemas"][name] == sub for name, sub in nested.items())  # no name clash
-        assert {"200", "400", "401", "404", "408", "413", "429", "500", "503"} <= set(op["responses"])
-        assert "text/event-stream" in op["responses"]["200"]["content"]
-        for code in ("400", "429", "500"):
+        assert {"200", "400", "401", "404", "408", "413", "500"} <= set(op["responses"])
+        assert streams == ("text/event-stream" in op["responses"]["200"]["content"])
+        assert streams == ("429" in op["responses"])
+        for code in ("400", "500") + (("429",) if streams else ()):
             err = _resolve(doc, op["responses"][code]["content"]["application/json"]["schema"]["$ref"])
             assert set(err["properties"]) == {"error"}
-    assert "ChatCompletionChunk" in doc["components"]["schemas"]  # named by the SSE description
+    for path in ("/v1/models/{model_id}", "/version", "/health"):
+        assert "200" in doc["paths"][path]["get"]["responses"]
+    assert {"ChatCompletionChunk", "ResponseStreamEvent"} <= set(doc["components"]["schemas"])  # SSE events
     stop = _resolve(doc, "#/components/schemas/CompletionRequest")["properties"]["stop"]
     assert {"maxItems": p.MAX_STOP_STRINGS} .items() <= stop["anyOf"][1].items()
     messages = _resolve(doc, "#/components/schemas/ChatCompletionRequest")["properties"]["messages"]

@@ -126,9 +126,11 @@ class HfPeer:
         self.once()  # warm-up
 
     def describe(self) -> str:
-        g = self.model.generation_config
-        return (f"transformers {transformers_version()}, {type(self.model).__name__}, dtype "
-                f"{self.model.dtype}, torch threads {torch.get_num_threads()}, use_cache={g.use_cache}, greedy, "
+        with torch.inference_mode():  # which KV cache `generate` builds
+            out = self.model.generate(self.x[:, :4], return_dict_in_generate=True, **{**self.kw, "max_new_tokens": 1})
+        cache = type(getattr(out, "past_key_values", None))
+        return (f"transformers {transformers_version()}, {type(self.model).__name__}, dtype {self.model.dtype}, "
+                f"torch threads {torch.get_num_threads()}, use_cache=True ({cache.__name__}), greedy, "
                 f"max_new_tokens={self.n} with no EOS stop, warmed up")
 
     def once(self) -> float:

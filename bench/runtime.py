@@ -8,7 +8,10 @@
      hidden 256, vocab 2048, no MTP);
   5. where a round's time goes (cProfile of the engine alone, K = 3, one session and a batch of 8).
 
-Server and engine both run with one torch thread (OMP_NUM_THREADS=1; the client gets the other core).
+Server and engine both run with one torch thread (OMP_NUM_THREADS=1; the client gets the other core). The
+measurements are interleaved: every server stays up for the whole run and each repetition takes every figure
+once, in turn, so load from other processes hits numerator and denominator alike; each figure is the best of the
+repetitions. The load average is printed with the figures.
 
     .venv/bin/python bench/runtime.py [--tokens 128] [--repeat 3]
 """
@@ -84,16 +87,14 @@ async def _stream(client: httpx.AsyncClient, url: str, model: str, prompt: list[
     return got
 
 
-def clients_tok_s(url: str, prompts: list[list[int]], n: int, repeat: int) -> float:
-    """Best-of-`repeat` aggregate tokens/s of len(prompts) concurrent streaming clients."""
+def _clients_once(url: str, model: str, prompts: list[list[int]], n: int) -> float:
+    """Aggregate tokens/s of len(prompts) concurrent streaming clients, once."""
     async def once() -> float:
         async with httpx.AsyncClient(timeout=600) as c:
             t0 = time.perf_counter()
             toks = await asyncio.gather(*[_stream(c, url, model, p, n) for p in prompts])
             return sum(toks) / (time.perf_counter() - t0)
-    model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
-    asyncio.run(once())  # warm-up
-    return max(asyncio.run(once()) for _ in range(repeat))
+    return asyncio.run(once())
 
 
 def engine_tok_s(model, prompts: list[list[int]], n: int, k: int, repeat: int) -> float:
@@ -111,19 +112,40 @@ def engine_tok_s(model, prompts: list[list[int]], n: int, k: int, repeat: int) -
     return max(once() for _ in range(repeat))
 
 
-def hf_tok_s(ckpt: Path, prompt: list[int], n: int, repeat: int) -> float:
-    from transformers import AutoModelForCausalLM
+class HfPeer:
+    """transformers `generate` on a checkpoint, run as fairly as we can: fp32 (the checkpoint's dtype), the
+    process's one torch thread, its default KV cache (use_cache=True), greedy, exactly n new tokens with no EOS
+    stop (eos_token_id=None rather than a min-length logits processor), under inference_mode, warmed up."""
 
-    m = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
-    x = torch.tensor([prompt])
+    def __init__(self, ckpt: Path, prompt: list[int], n: int):
+        from transformers import AutoModelForCausalLM
 
-    def once() -> float:
+        self.model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+        self.x, self.n = torch.tensor([prompt]), n
+        self.kw = dict(max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0, use_cache=True)
+        self.once()  # warm-up
+
+    def describe(self) -> str:
+        with torch.inference_mode():  # which KV cache `generate` builds
+            out = self.model.generate(self.x[:, :4], return_dict_in_generate=True, **{**self.kw, "max_new_tokens": 1})
+        cache = type(getattr(out, "past_key_values", None))
+        return (f"transformers {transformers_version()}, {type(self.model).__name__}, dtype {self.model.dtype}, "
+                f"torch threads {torch.get_num_threads()}, use_cache=True ({cache.__name__}), greedy, "
+                f"max_new_tokens={self.n} with no EOS stop, warmed up")
+
+    def once(self) -> float:
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = m.generate(x, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
-        return (out.shape[1] - x.shape[1]) / (time.perf_counter() - t0)
-    once()
-    return max(once() for _ in range(repeat))
+            out = self.model.generate(self.x, **self.kw)
+        dt = time.perf_counter() - t0
+        assert out.shape[1] - self.x.shape[1] == self.n, out.shape
+        return self.n / dt
+
+
+def transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
 
 
 def profile_round(model, prompts: list[list[int]], n: int, k: int) -> str:
@@ -155,6 +177,10 @@ def profile_round(model, prompts: list[list[int]], n: int, k: int) -> str:
     return f"{total:.2f} s in spec_round: " + ", ".join(rows)
 
 
+def _best(figs: dict[str, float], key: str, value: float) -> None:
+    figs[key] = max(figs.get(key, 0.0), value)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=128)
@@ -167,49 +193,51 @@ def main() -> int:
              for t in DEFAULT_BENCH_PROMPTS]
     eight = [chats[i % len(chats)] for i in range(8)]
     demo = load_model(DEMO)
-    out = [f"`.venv/bin/python bench/runtime.py --tokens {n} --repeat {rep}` (demo model, greedy, ignore_eos, "
-           f"{n} tokens per client, best of {rep}, one torch thread)", ""]
-
-    srv = Server(DEMO, k=3)
-    try:
-        one_k3 = clients_tok_s(srv.url, chats[:1], n, rep)
-        eight_k3 = clients_tok_s(srv.url, eight, n, rep)
-    finally:
-        srv.close()
-    srv = Server(DEMO, k=0)
-    try:
-        one_k0 = clients_tok_s(srv.url, chats[:1], n, rep)
-    finally:
-        srv.close()
-    eng_k3 = engine_tok_s(demo, chats[:1], n, 3, rep)
-    eng_k0 = engine_tok_s(demo, chats[:1], n, 0, rep)
-    eng8_k3 = engine_tok_s(demo, eight, n, 3, rep)
-    out += ["| measurement | tokens/s | ratio | goal |", "|---|---|---|---|",
-            f"| server, 1 streaming client, K=3 | {one_k3:.1f} | | |",
-            f"| server, 8 concurrent streaming clients, K=3 (aggregate) | {eight_k3:.1f} | "
-            f"{eight_k3 / one_k3:.2f}x one client | >= 4x |",
-            f"| server, 1 client, K=0 (plain) | {one_k0:.1f} | | |",
-            f"| server spec (K=3) vs plain (K=0), 1 client | | {one_k3 / one_k0:.2f}x | >= 1.8x |",
-            f"| engine alone, 1 session, K=3 | {eng_k3:.1f} | | |",
-            f"| engine alone, 1 session, K=0 | {eng_k0:.1f} | spec/plain {eng_k3 / eng_k0:.2f}x | |",
-            f"| engine alone, batch of 8, K=3 | {eng8_k3:.1f} | {eng8_k3 / eng_k3:.2f}x one session | |",
-            f"| server streaming vs engine alone (1 client, K=3) | | {one_k3 / eng_k3:.2f}x | >= 0.9x |"]
-
     from tests.tiny import make_checkpoint
     ckpt = make_checkpoint(Path(tempfile.mkdtemp()) / "hf256", seed=5, mtp=False, vocab_size=2048, hidden_size=256,
                            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
                            linear_value_head_dim=64)
     prompt = list(range(10, 42))
-    hf = hf_tok_s(ckpt, prompt, n, rep)
-    srv = Server(ckpt, k=0)
+    hf = HfPeer(ckpt, prompt, n)
+    load0 = os.getloadavg()
+    servers = {"k3": Server(DEMO, k=3), "k0": Server(DEMO, k=0), "hf256": Server(ckpt, k=0)}
+    figs: dict[str, float] = {}
     try:
-        ours = clients_tok_s(srv.url, [prompt], n, rep)
+        models = {name: httpx.get(srv.url + "/v1/models").json()["data"][0]["id"] for name, srv in servers.items()}
+        for name, srv in servers.items():  # warm-up
+            _clients_once(srv.url, models[name], chats[:1], n)
+        _clients_once(servers["k3"].url, models["k3"], eight, n)
+        for _ in range(rep):  # interleaved: each repetition takes every figure once
+            _best(figs, "one_k3", _clients_once(servers["k3"].url, models["k3"], chats[:1], n))
+            _best(figs, "eng_k3", engine_tok_s(demo, chats[:1], n, 3, 1))
+            _best(figs, "eight_k3", _clients_once(servers["k3"].url, models["k3"], eight, n))
+            _best(figs, "eng8_k3", engine_tok_s(demo, eight, n, 3, 1))
+            _best(figs, "one_k0", _clients_once(servers["k0"].url, models["k0"], chats[:1], n))
+            _best(figs, "eng_k0", engine_tok_s(demo, chats[:1], n, 0, 1))
+            _best(figs, "hf", hf.once())
+            _best(figs, "ours", _clients_once(servers["hf256"].url, models["hf256"], [prompt], n))
     finally:
-        srv.close()
-    out += [f"| transformers `generate`, random 4-layer hidden-256 vocab-2048 checkpoint | {hf:.1f} | | |",
-            f"| nextn server plain greedy, same checkpoint, 1 client | {ours:.1f} | {ours / hf:.2f}x transformers "
-            f"| >= 2x |", ""]
+        for srv in servers.values():
+            srv.close()
+    load1 = os.getloadavg()
+    f = figs
+    out = [f"`.venv/bin/python bench/runtime.py --tokens {n} --repeat {rep}` (demo model, greedy, ignore_eos, "
+           f"{n} tokens per client, interleaved, best of {rep}, one torch thread; load average "
+           f"{load0[0]:.2f} before, {load1[0]:.2f} after)", "",
+           "| measurement | tokens/s | ratio | goal |", "|---|---|---|---|",
+           f"| server, 1 streaming client, K=3 | {f['one_k3']:.1f} | | |",
+           f"| server, 8 concurrent streaming clients, K=3 (aggregate) | {f['eight_k3']:.1f} | "
+           f"{f['eight_k3'] / f['one_k3']:.2f}x one client | >= 4x |",
+           f"| server, 1 client, K=0 (plain) | {f['one_k0']:.1f} | | |",
+           f"| server spec (K=3) vs plain (K=0), 1 client | | {f['one_k3'] / f['one_k0']:.2f}x | >= 1.8x |",
+           f"| engine alone, 1 session, K=3 | {f['eng_k3']:.1f} | | |",
+           f"| engine alone, 1 session, K=0 | {f['eng_k0']:.1f} | spec/plain {f['eng_k3'] / f['eng_k0']:.2f}x | |",
+           f"| engine alone, batch of 8, K=3 | {f['eng8_k3']:.1f} | {f['eng8_k3'] / f['eng_k3']:.2f}x one session | |",
+           f"| server streaming vs engine alone (1 client, K=3) | | {f['one_k3'] / f['eng_k3']:.2f}x | >= 0.9x |",
+           f"| transformers `generate`, random 4-layer hidden-256 vocab-2048 checkpoint | {f['hf']:.1f} | | |",
+           f"| nextn server plain greedy, same checkpoint, 1 client | {f['ours']:.1f} | {f['ours'] / f['hf']:.2f}x "
+           f"transformers | >= 2x |", "", f"transformers peer: {hf.describe()}.", ""]
     out.append("Round profile (cProfile, engine alone, K=3): one session: "
                + profile_round(demo, chats[:1], n, 3) + "; batch of 8: " + profile_round(demo, eight, n, 3))
     print("\n".join(out))

@@ -10,6 +10,7 @@ runs in a worker thread, never on the event loop.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import json
@@ -306,8 +307,16 @@ class Generation:
         """Yield each choice's deltas until every job is done; a session error raises `APIError` (500)
         after cancelling the other jobs. Leaving early (client gone) cancels unfinished jobs."""
         try:
+            ready: collections.deque[JobEvent] = collections.deque()
             while not all(c.done for c in self.choices):
-                ev = await self.events.get()
+                if not ready:  # wait for one event, then take every event that is ready too
+                    ready.append(await self.events.get())
+                    while not self.events.empty():
+                        ready.append(self.events.get_nowait())
+                ev = ready.popleft()
+                while ready and (joined := ev.then(ready[0])) is not None:  # a choice's ready events: one delta
+                    ev = joined
+                    ready.popleft()
                 choice = self.choices[ev.index]
                 if ev.error is not None and not choice.finished:
                     self._record("error")

@@ -4,11 +4,12 @@ Requests reach it as `Job`s (one per choice) through a bounded admission queue. 
 jobs while the state pool has a free slot (a request waits in the queue until one frees), runs one scheduler
 step (ONE batched speculative round over all running sessions, then prefill chunks of joining ones under
 the token budget), and publishes each session's new tokens to its job's asyncio queue on the server's event
-loop (`loop.call_soon_threadsafe`). Telemetry is stash-and-diff per emission: the delta goes both to the
-Prometheus metrics and to the job's own `telem`, so the sum of the requests' `usage.spec` equals the
-counters' increase. A session that raises fails its own job only; the loop goes on. Sessions that finish or
-whose job was cancelled leave the batch and give their slot back at once. If the loop itself fails, every
-job gets an error event and /health turns 503.
+loop (one `loop.call_soon_threadsafe` hand-off per step for all of them, `_Outbox`). Telemetry is
+stash-and-diff per emission: the delta goes to the job's own `telem`, and the step's deltas summed to the
+Prometheus metrics, so the sum of the requests' `usage.spec` equals the counters' increase. A session that
+raises fails its own job only; the loop goes on. Sessions that finish or whose job was cancelled leave the
+batch and give their slot back at once. If the loop itself fails, every job gets an error event and /health
+turns 503.
 """
 from __future__ import annotations
 
@@ -52,6 +53,17 @@ class JobEvent:
     error: BaseException | None = None
     telem: SpecTelemetry | None = None
 
+    def then(self, later: JobEvent) -> JobEvent | None:
+        """This event and the same job's next one as ONE event (tokens and logprobs joined, the later one's
+        end), or None when they must stay apart (this one is final; the later one is an error or an abort)."""
+        if self.done or later.index != self.index or later.error is not None or later.finish_reason == "abort":
+            return None
+        lps = None if self.logprobs is None and later.logprobs is None else \
+            list(self.logprobs or []) + list(later.logprobs or [])
+        plps = self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs
+        return JobEvent(self.index, self.token_ids + later.token_ids, lps, prompt_logprobs=plps, done=later.done,
+                        finish_reason=later.finish_reason, telem=later.telem)
+
 
 @dataclass(eq=False)
 class Job:
@@ -88,6 +100,41 @@ class Job:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:  # the loop is closed: nobody is listening any more
             pass
+
+
+class _Outbox:
+    """The worker's hand-off to the event loop(s): events of many jobs and steps, one wake-up at a time.
+
+    `send` queues (job, event) pairs (worker thread); the first pair queued for a loop schedules one `_drain` on
+    it (`call_soon_threadsafe`: a self-pipe write and a wake-up), later pairs join the same delivery until it has
+    run. `_drain` puts every queued event into its job's queue in order, so a consumer that reads all ready
+    events at once streams them as one chunk. Events of one job keep their order; a closed loop drops its events."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._boxes: dict[asyncio.AbstractEventLoop, list[tuple[Job, JobEvent]]] = {}
+
+    def send(self, pairs: Sequence[tuple[Job, JobEvent]]) -> None:
+        wake: list[asyncio.AbstractEventLoop] = []
+        with self._lock:
+            for job, ev in pairs:
+                box = self._boxes.get(job.loop)
+                if box is None:
+                    box = self._boxes[job.loop] = []
+                    wake.append(job.loop)
+                box.append((job, ev))
+        for loop in wake:
+            try:
+                loop.call_soon_threadsafe(self._drain, loop)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                with self._lock:
+                    self._boxes.pop(loop, None)
+
+    def _drain(self, loop: asyncio.AbstractEventLoop) -> None:
+        with self._lock:
+            pairs = self._boxes.pop(loop, [])
+        for job, ev in pairs:
+            job.events.put_nowait(ev)
 
 
 @dataclass(eq=False)
@@ -127,6 +174,7 @@ class Worker:
         self._busy = False  # the worker holds jobs outside the two queues (admitting or stepping)
         self._limbo: list[Job] = []  # jobs taken off the queues and not yet placed (failed with the loop)
         self._failed = False  # the loop died: /health and /ready report it, submit refuses
+        self._outbox = _Outbox()  # a step's events reach the event loop in one hand-off
         self._thread = threading.Thread(target=self._run, name="nextn-worker", daemon=True)
 
     # -- event-loop side -----------------------------------------------------------------------------
@@ -277,6 +325,8 @@ class Worker:
         t0 = time.monotonic()
         res = self.scheduler.step()
         t1 = time.monotonic()
+        out: list[tuple[Job, JobEvent]] = []  # this step's events, handed to the event loop at once
+        step_telem = SpecTelemetry()  # the step's deltas, summed: one metrics update per step
         for sess, new_ids in res.emitted:
             a = self._active.get(sess)
             if a is None:
@@ -284,7 +334,7 @@ class Worker:
             job = a.job
             delta = sess.telem.delta_since(a.seen)
             a.seen = sess.telem.copy()
-            self.metrics.add_spec(delta)
+            step_telem.merge(delta)
             job.telem.merge(delta)
             first = a.last_emit is None
             if first:
@@ -295,7 +345,8 @@ class Worker:
             a.last_emit = t1
             lps = list(sess.logprobs[len(sess.emitted) - len(new_ids):]) if job.logprobs is not None else None
             plps = list(sess.prompt_logprobs) if first and job.prompt_logprobs is not None else None
-            job.publish(JobEvent(job.index, list(new_ids), lps, prompt_logprobs=plps))
+            out.append((job, JobEvent(job.index, list(new_ids), lps, prompt_logprobs=plps)))
+        self.metrics.add_spec(step_telem)
         for sess in res.finished:
             a = self._active.get(sess)
             if a is None:
@@ -305,12 +356,19 @@ class Worker:
             if sess.error is not None:
                 log.error("session failed: %s: %s", type(sess.error).__name__, sess.error,
                           exc_info=(type(sess.error), sess.error, sess.error.__traceback__))
-                self._finish(a.job, "error", error=sess.error)
+                self._finish(a.job, "error", error=sess.error, out=out)
             else:
-                self._finish(a.job, sess.finish_reason or "stop")
+                self._finish(a.job, sess.finish_reason or "stop", out=out)
+        self._outbox.send(out)
         log.debug("step: %d session(s), %.1f ms", len(self._active), (t1 - t0) * 1e3)
 
-    def _finish(self, job: Job, reason: str, error: BaseException | None = None) -> None:
-        """The job's final event (request-level metrics are the serving layer's: one request, n jobs)."""
+    def _finish(self, job: Job, reason: str, error: BaseException | None = None,
+                out: list[tuple[Job, JobEvent]] | None = None) -> None:
+        """The job's final event (request-level metrics are the serving layer's: one request, n jobs); appended
+        to `out` when given (the step's batch, published after its token events), else handed over now."""
         job.done = True
-        job.publish(JobEvent(job.index, [], done=True, finish_reason=reason, error=error, telem=job.telem))
+        ev = JobEvent(job.index, [], done=True, finish_reason=reason, error=error, telem=job.telem)
+        if out is None:
+            self._outbox.send([(job, ev)])
+        else:
+            out.append((job, ev))

@@ -116,7 +116,8 @@ def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
 
 @dataclass
 class FwdCtx:
-    """Where the N rows of one cached forward live in a `StatePool` (host lists; tensors derived once).
+    """Where the N rows of one cached forward live in a `StatePool` (host lists; tensors derived once, none for
+    one row: the torch path reads a single row's host values directly).
 
     Row i's T new tokens sit at positions pos0[i].. of pool slot slots[i]. GDN layers read the state in window
     slot read[i]; with record=True the state after token t goes to window slot write0[i] + t, else only the final
@@ -132,19 +133,27 @@ class FwdCtx:
     write0: list[int] | None
     T: int
     record: bool
-    slot_t: torch.Tensor  # [N] long
-    read_t: torch.Tensor  # [N] long
+    slot_t: torch.Tensor | None  # [N] long (None: a one-row host forward)
+    read_t: torch.Tensor | None  # [N] long (None: a one-row host forward)
     write_t: torch.Tensor | None  # [N, T] long (record) or [N] long
     kv_slot: torch.Tensor | None  # [N*T] long: pool slot of each new token
     kv_pos: torch.Tensor | None  # [N*T] long: its position
     rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin [N, T, R]
     pos0_t: torch.Tensor | None = None  # [N] long (kernel path)
     kernels: bool = False  # a `from_tensors` step context: attention and GDN run as kernels over the pool
+    _masks: torch.Tensor | None = None  # [N, T, max S] bool, built by the first `causal_mask` call
 
     @classmethod
     def make(cls, cfg, device: torch.device | str, dtype: torch.dtype, slots: list[int], pos0: list[int],
              read: list[int], write0: list[int], T: int, record: bool) -> FwdCtx:
+        """The context of a host-driven forward. One row (the torch path then reads the host lists): no index
+        tensors (None), RoPE rows as a slice of the table; N rows: the index tensors, RoPE rows gathered."""
         N = len(slots)
+        if N == 1:
+            cos, sin = rope_table(cfg, pos0[0] + T, device, dtype)
+            p0 = pos0[0]
+            return cls(slots, pos0, read, write0, T, record, None, None, None, None, None,
+                       (cos[None, p0:p0 + T], sin[None, p0:p0 + T]))
         ar = torch.arange(T, device=device)
         slot_t = torch.tensor(slots, device=device)
         positions = torch.tensor(pos0, device=device)[:, None] + ar  # [N, T]
@@ -154,6 +163,15 @@ class FwdCtx:
         cos, sin = rope_table(cfg, max(pos0) + T, device, dtype)
         return cls(slots, pos0, read, write0, T, record, slot_t, torch.tensor(read, device=device), write_t,
                    slot_t.repeat_interleave(T), positions.reshape(N * T), (cos[positions], sin[positions]))
+
+    def causal_mask(self, i: int, device: torch.device | str) -> torch.Tensor:
+        """Host forwards: row i's attention mask [T, pos0[i] + T] (query t sees keys 0..pos0[i] + t), a view of
+        every row's masks, built once per forward for all of its attention layers."""
+        assert self.pos0 is not None
+        if self._masks is None:
+            q = torch.tensor(self.pos0, device=device)[:, None] + torch.arange(self.T, device=device)  # [N, T]
+            self._masks = torch.arange(max(self.pos0) + self.T, device=device) <= q[..., None]  # [N, T, S]
+        return self._masks[i, :, :self.pos0[i] + self.T]
 
     @classmethod
     def from_tensors(cls, slot: torch.Tensor, pos0: torch.Tensor, cur: torch.Tensor, T: int,
@@ -226,17 +244,16 @@ class GatedAttention(nn.Module):
             else:
                 kv.k[ctx.kv_slot, ctx.kv_pos] = k.reshape(N * T, self.nkv, self.hd)
                 kv.v[ctx.kv_slot, ctx.kv_pos] = v.reshape(N * T, self.nkv, self.hd)
+            # each row over its own keys (views, no copies): results never depend on the other rows
+            qh, kh, vh = q.transpose(1, 2), kv.k.transpose(1, 2), kv.v.transpose(1, 2)  # [*, heads, pos, hd]
             outs = []
-            for i in range(N):  # each row over its own keys: results never depend on the other rows
-                S = ctx.pos0[i] + T
-                ki, vi = kv.k[ctx.slots[i], :S], kv.v[ctx.slots[i], :S]  # [S, nkv, hd]
-                mask = None if T == 1 else (torch.arange(S, device=x.device) <= ctx.pos0[i] + torch.arange(
-                    T, device=x.device)[:, None])  # [T, S]
-                oi = F.scaled_dot_product_attention(q[i].transpose(0, 1)[None], ki.transpose(0, 1)[None],
-                                                    vi.transpose(0, 1)[None], attn_mask=mask,
-                                                    scale=self.hd ** -0.5, enable_gqa=gqa)  # [1, nh, T, hd]
-                outs.append(oi[0].transpose(0, 1))
-            o = torch.stack(outs)  # [N, T, nh, hd]
+            for i in range(N):
+                sl, S = ctx.slots[i], ctx.pos0[i] + T
+                mask = None if T == 1 else ctx.causal_mask(i, x.device)  # [T, S]
+                outs.append(F.scaled_dot_product_attention(qh[i:i + 1], kh[sl:sl + 1, :, :S], vh[sl:sl + 1, :, :S],
+                                                           attn_mask=mask, scale=self.hd ** -0.5,
+                                                           enable_gqa=gqa))  # [1, nh, T, hd]
+            o = (outs[0] if N == 1 else torch.cat(outs)).transpose(1, 2)  # [N, T, nh, hd]
         gate = gate.reshape(N, T, self.nh * self.hd)
         return linear(o.reshape(N, T, self.nh * self.hd) * torch.sigmoid(gate), self.o_proj.weight)
 
@@ -320,12 +337,11 @@ class GatedDeltaNet(nn.Module):
             outs, states = [], []
             for t in range(T):
                 o_t, s = gdn_recurrent_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], s)
-                if N == 1:
-                    st.rec[ctx.slots[0], ctx.write0[0] + t] = s[0]
-                else:
-                    states.append(s)
+                states.append(s)
                 outs.append(o_t)
-            if states:  # every row's per-position states in one write
+            if N == 1:  # the per-position states in one slice write
+                st.rec[ctx.slots[0], ctx.write0[0]:ctx.write0[0] + T] = torch.cat(states)  # [T, nv, dk, dv]
+            else:  # every row's per-position states in one write
                 st.rec[ctx.slot_t[:, None], ctx.write_t] = torch.stack(states, dim=1)  # [N, T, nv, dk, dv]
             o = torch.stack(outs, dim=1) if T > 1 else outs[0][:, None]  # [N, T, nv, dv]
             # conv state after token t = window[..., t+1 : t+Kc]: all T of them in one strided write

@@ -69,7 +69,8 @@ class JobEvent:
 class Job:
     """One session's worth of work (a request with n choices submits n jobs).
 
-    Created on the event loop; the worker reads the inputs and calls `publish`; `cancel` may be called
+    Created on the event loop; the worker reads the inputs and hands its events over through its `_Outbox`
+    (`publish`, a direct hand-off, is kept for the failure path only); `cancel` may be called
     from the event loop at any time (the worker drops the session before its next step).
     """
 
@@ -95,7 +96,8 @@ class Job:
             self.cancel_reason = reason
 
     def publish(self, event: JobEvent) -> None:
-        """Hand `event` to the event loop (thread-safe); dropped when the loop has already closed."""
+        """Hand `event` to the event loop now (thread-safe), bypassing the worker's `_Outbox`: the outer guard
+        uses it so that failing every job depends on nothing else; dropped when the loop has already closed."""
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:  # the loop is closed: nobody is listening any more

@@ -34,7 +34,7 @@ from .sampling import PenaltyState, SpecSampling, probs_from_logits, sample
 
 __all__ = [
     "SPEC_TELEM_POS", "SpecTelemetry", "SpecSampling", "SpecConstraint", "SpecSession", "TokenLogprob",
-    "decode_step_t", "mtp_head_forward", "generate_spec", "prefill", "spec_round",
+    "decode_step_t", "mtp_head_forward", "generate_spec", "prefill", "prefill_rows", "spec_round",
 ]
 
 SPEC_TELEM_POS = 8  # tracked draft positions (serve K defaults to 3; gates sweep K = 1..8)
@@ -273,6 +273,11 @@ class SpecSession:
         """Prompt tokens are still waiting for prefill."""
         return self._prefilled < len(self._to_prefill)
 
+    @property
+    def prefill_left(self) -> int:
+        """Prompt tokens still waiting for prefill."""
+        return len(self._to_prefill) - self._prefilled
+
     def attach(self, pool: StatePool, slot: int) -> None:
         """Bind this session to `slot` of `pool` (empty state)."""
         self.pool, self.slot = pool, slot
@@ -344,14 +349,25 @@ class SpecSession:
         """Prefill up to `budget` queued prompt tokens (one trunk forward, chunked GDN); the MTP head takes the
         chunk's rows right away, except the prompt's last row, which waits for the first token. The last chunk
         also chooses and emits the first token. Returns the number of tokens prefilled."""
-        ids = self._to_prefill[self._prefilled:self._prefilled + max(1, budget)]
-        model, cache = self.model, self.cache
-        cache.check_room(len(ids))
+        ids = self.next_chunk(budget)
+        cache = self.cache
         x = torch.tensor([ids], device=self.device)
-        pos0 = cache.length
-        ctx = FwdCtx.make(self.cfg, self.device, self.dtype, [self.slot], [pos0], [cache.cur], [cache.cur], len(ids),
-                          False)
-        pre = model.forward_step(x, ctx, self.pool)[0]  # [t, H]
+        ctx = FwdCtx.make(self.cfg, self.device, self.dtype, [self.slot], [cache.length], [cache.cur], [cache.cur],
+                          len(ids), False)
+        self.prefilled(ids, self.model.forward_step(x, ctx, self.pool)[0])  # [t, H]
+        return len(ids)
+
+    def next_chunk(self, budget: int) -> list[int]:
+        """The next up to `budget` (at least 1) queued prompt tokens; raises if they do not fit in the cache."""
+        ids = self._to_prefill[self._prefilled:self._prefilled + max(1, budget)]
+        self.cache.check_room(len(ids))
+        return ids
+
+    def prefilled(self, ids: list[int], pre: torch.Tensor) -> None:
+        """Host side of a prefill chunk: `ids` (from `next_chunk`) went through the trunk at cache.length.., `pre`
+        [t, H] their pre-norm hiddens. Advances the cache, feeds the MTP head, and after the prompt's last chunk
+        chooses and emits the first token."""
+        model, cache = self.model, self.cache
         cache.length += len(ids)
         self._prefilled += len(ids)
         self.prefill_tokens += len(ids)
@@ -371,7 +387,6 @@ class SpecSession:
             if self.k > 0:
                 self._queue_mtp_rows([first], (post if self.hidden_mode == "post" else pre)[-1:])
             self._emit([first], logits[None])
-        return len(ids)
 
     def _prompt_logprobs(self, post: torch.Tensor, start: int) -> None:
         """Logprobs of the prompt tokens that the chunk's rows `post` [t, H] (prompt positions start..) predict,
@@ -522,6 +537,30 @@ class SpecSession:
 
 
 # ------------------------------------------------------------------------------------------ the batched round
+@torch.inference_mode()
+def prefill_rows(model: Qwen35ForCausalLM, rows: list[SpecSession], budgets: list[int]) -> list[int]:
+    """Prefill the next chunk (up to budgets[i] tokens) of every row's queued prompt in ONE trunk forward, then
+    each row's host side as `SpecSession.prefill_chunk` does. Rows are right-padded to the longest chunk: the
+    padding's K/V land past the row's length (overwritten later) and its GDN tokens leave the state unchanged
+    (`FwdCtx` lens), so each row ends in the state of its own tokens. The caller checks that every row's
+    cache.length + max chunk fits the pool's capacity. A row whose host side fails is failed alone; a failing
+    forward raises (every row is then in doubt). Returns the tokens prefilled per row."""
+    chunks = [r.next_chunk(b) for r, b in zip(rows, budgets)]
+    T = max(len(c) for c in chunks)
+    r0 = rows[0]
+    x = torch.tensor([c + [0] * (T - len(c)) for c in chunks], device=r0.device)  # [N, T]
+    cur = [r.cache.cur for r in rows]
+    ctx = FwdCtx.make(model.config, r0.device, r0.dtype, [r.slot for r in rows], [r.cache.length for r in rows],
+                      cur, cur, T, False, lens=[len(c) for c in chunks])
+    pre = model.forward_step(x, ctx, r0.pool)  # [N, T, H]
+    for i, r in enumerate(rows):
+        try:
+            r.prefilled(chunks[i], pre[i, :len(chunks[i])])
+        except Exception as e:  # noqa: BLE001 - one row's host side (its grammar, its logprobs) fails that row
+            r.fail(e)
+    return [len(c) for c in chunks]
+
+
 def _pick(rows: list[SpecSession], logits: torch.Tensor, extra: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
                                                                                         list[torch.Tensor | None]]:
     """Each row's draft from its MTP logits [A, V] (fp32): argmax for greedy rows, a draw from q for sampled ones.
@@ -624,10 +663,13 @@ def _accept(rows: list[SpecSession], logits: torch.Tensor, drafts: torch.Tensor,
     dev = logits.device
     cols = torch.arange(T, device=dev)
     valid = drafts >= 0  # [N, K]
-    ex = drafts[:, None, :].expand(N, T, K).masked_fill(torch.arange(K, device=dev) >= cols[:, None], -1)  # [N, T, K]
-    # column t of row i chooses output token len(emitted) + t (min_tokens); host ints, no sync
-    proc = torch.stack([r._pen.apply(logits[i], r.sampling, ex[i], n_out=len(r.emitted)) for i, r in enumerate(rows)]) \
-        if any(r.sampling.processes for r in rows) else logits
+    proc = logits
+    if any(r.sampling.processes for r in rows):
+        # column t of row i chooses output token len(emitted) + t (min_tokens); host ints, no sync
+        later = torch.arange(K, device=dev) >= cols[:, None]  # [T, K]: draft j comes after column t
+        ex = drafts[:, None, :].expand(N, T, K).masked_fill(later, -1)  # [N, T, K]
+        proc = torch.stack([r._pen.apply(logits[i], r.sampling, ex[i], n_out=len(r.emitted))
+                            for i, r in enumerate(rows)])
     # greedy rows under a grammar accept by the MASKED argmax of each column (what constrained plain greedy picks
     # after the same drafts): the masks of the states the drafts reached, kept while drafting
     masks = [(i, r.constraint.window_mask(r._window + 1, dev)) for i, r in enumerate(rows) if ks[i] > 0
@@ -637,9 +679,12 @@ def _accept(rows: list[SpecSession], logits: torch.Tensor, drafts: torch.Tensor,
         for i, m in masks:
             proc[i, :m.shape[0]] = proc[i, :m.shape[0]].masked_fill(~m, float("-inf"))
     am = ops.argmax(proc.flatten(0, 1)).view(N, T)  # [N, T]
-    match = (am[:, :K] == drafts) & valid
-    n_acc = torch.cumprod(match.long(), dim=1).sum(dim=1)  # [N]
-    bonus = am.gather(1, n_acc[:, None])[:, 0]  # [N]
+    if K == 0:  # plain steps only: nothing to accept, each bonus is its row's column-0 choice
+        n_acc, bonus = torch.zeros(N, dtype=torch.long, device=dev), am[:, 0]
+    else:
+        match = (am[:, :K] == drafts) & valid
+        n_acc = torch.cumprod(match.long(), dim=1).sum(dim=1)  # [N]
+        bonus = am.gather(1, n_acc[:, None])[:, 0]  # [N]
     for i, r in enumerate(rows):
         if r.sampling.greedy or r.constraint is not None:  # constrained rows choose on the host (commit_round)
             continue
@@ -657,6 +702,8 @@ def _accept(rows: list[SpecSession], logits: torch.Tensor, drafts: torch.Tensor,
         use_resid = (na < kd) & (resid.sum() > 0)
         dist = torch.where(use_resid, resid / resid.sum().clamp_min(1e-300), p[na])
         n_acc[i], bonus[i] = na, sample(dist, r._gen)
+    if K == 0:
+        return n_acc, bonus[:, None]
     out = torch.where(cols < n_acc[:, None], torch.cat([drafts, bonus[:, None]], 1), bonus[:, None])  # [N, T]
     return n_acc, out
 

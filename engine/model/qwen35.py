@@ -10,11 +10,13 @@ zero-centred (1+w) RMSNorm. One forward handles three cases, chosen by the calle
   * a `FwdCtx` with record=True (spec verify and decode, N rows x T tokens): GDN runs the recurrent step per
     token and writes the state after each token to its own window slot, so the session keeps any prefix in
     O(1) (it only chooses which slot is live).
-Rows of one forward are independent sequences in different pool slots; each row's attention runs over its own
-cached keys, the GDN recurrence and every projection are row-wise.
+Rows of one forward are independent sequences in different pool slots; each row's queries see only its own
+cached keys (a per-row causal mask), the GDN recurrence and every projection are row-wise. Rows may be right-padded
+(`FwdCtx`): padding never reaches a real row's outputs or final state.
 
 Two implementations of the same math, chosen per tensor by `ops.use_triton` (CUDA with triton installed):
-  * the torch path (CPU): F.linear, SDPA per row, the torch GDN recurrence; unchanged by the kernel path;
+  * the torch path (CPU): F.linear, one SDPA call over all rows (each row masked to its own keys), the torch GDN
+    recurrence; unchanged by the kernel path. Its rounding may depend on the batch (bench/RESULTS.md measures it);
   * the kernel path: every linear (the fused projections, the LM head with fp32 logits, the MoE experts grouped
     by expert) is the batch-invariant Triton matmul, norms and activations are fused row-wise kernels, and a
     step forward (decode, verify, MTP draft) built with `FwdCtx.from_tensors` runs attention over the pool and

@@ -254,6 +254,7 @@ class SpecSession:
         self._prefilled = 0
         self._constraint_consumed = 0  # drafts already consumed by the constraint walk of this round
         self._window = 0  # drafts the constraint consumed while drafting this round (for its window masks)
+        self._last_row: tuple[torch.Tensor, torch.Tensor] | None = None  # prompt's last row, first token pending
         self._closed = False
         if pool is None:  # alone: a private one-slot pool sized for this request
             pool = StatePool(cfg, 1, self.max_len, self.k + 1, self.device, self.dtype, mtp=self.k > 0)
@@ -363,10 +364,12 @@ class SpecSession:
         self.cache.check_room(len(ids))
         return ids
 
-    def prefilled(self, ids: list[int], pre: torch.Tensor) -> None:
+    def prefilled(self, ids: list[int], pre: torch.Tensor, flush_mtp: bool = True) -> None:
         """Host side of a prefill chunk: `ids` (from `next_chunk`) went through the trunk at cache.length.., `pre`
         [t, H] their pre-norm hiddens. Advances the cache, feeds the MTP head, and after the prompt's last chunk
-        chooses and emits the first token."""
+        chooses and emits the first token. flush_mtp=False (a batched prefill): the chunk's MTP rows stay queued
+        and the first token waits; the caller writes every row's queue in one head forward (`_flush_mtp_rows`),
+        then calls `choose_first`."""
         model, cache = self.model, self.cache
         cache.length += len(ids)
         self._prefilled += len(ids)
@@ -380,13 +383,24 @@ class SpecSession:
             nxt = self._to_prefill[self._prefilled - len(ids) + 1:self._prefilled + 1]  # token i+1 of each row
             carrier = post if self.hidden_mode == "post" else pre
             self._queue_mtp_rows(nxt, carrier[:len(nxt)])
-            self._flush_mtp()
+            if flush_mtp:
+                self._flush_mtp()
         if done:
-            logits = model.logits(post[-1])  # only the row that is used
-            first = self._choose(logits)
-            if self.k > 0:
-                self._queue_mtp_rows([first], (post if self.hidden_mode == "post" else pre)[-1:])
-            self._emit([first], logits[None])
+            self._last_row = (pre[-1:], post[-1:])  # [1, H] each: the prompt's last row
+            if flush_mtp:
+                self.choose_first()
+
+    def choose_first(self) -> None:
+        """After the prompt's last chunk and its MTP rows: choose, emit and queue the first token (else a no-op)."""
+        if self._last_row is None:
+            return
+        pre, post = self._last_row
+        self._last_row = None
+        logits = self.model.logits(post[0])  # only the row that is used
+        first = self._choose(logits)
+        if self.k > 0:
+            self._queue_mtp_rows([first], post if self.hidden_mode == "post" else pre)
+        self._emit([first], logits[None])
 
     def _prompt_logprobs(self, post: torch.Tensor, start: int) -> None:
         """Logprobs of the prompt tokens that the chunk's rows `post` [t, H] (prompt positions start..) predict,
@@ -553,12 +567,49 @@ def prefill_rows(model: Qwen35ForCausalLM, rows: list[SpecSession], budgets: lis
     ctx = FwdCtx.make(model.config, r0.device, r0.dtype, [r.slot for r in rows], [r.cache.length for r in rows],
                       cur, cur, T, False, lens=[len(c) for c in chunks])
     pre = model.forward_step(x, ctx, r0.pool)  # [N, T, H]
+    ok = []
     for i, r in enumerate(rows):
         try:
-            r.prefilled(chunks[i], pre[i, :len(chunks[i])])
-        except Exception as e:  # noqa: BLE001 - one row's host side (its grammar, its logprobs) fails that row
+            r.prefilled(chunks[i], pre[i, :len(chunks[i])], flush_mtp=False)
+            ok.append(r)
+        except Exception as e:  # noqa: BLE001 - one row's host side (its logprobs, ...) fails that row
+            r.fail(e)
+    try:
+        _flush_mtp_rows(model, ok)
+    except Exception as e:  # noqa: BLE001 - the batched head forward failed: its rows are in doubt
+        for r in ok:
+            r.fail(e)
+        ok = []
+    for r in ok:
+        try:
+            r.choose_first()
+        except Exception as e:  # noqa: BLE001 - one row's choice (its grammar) fails that row
             r.fail(e)
     return [len(c) for c in chunks]
+
+
+def _flush_mtp_rows(model: Qwen35ForCausalLM, rows: list[SpecSession]) -> None:
+    """Write every row's queued MTP rows (prefill) into its scratch in ONE head forward, rows right-padded (the
+    padding's K/V land past each row's scratch length and are overwritten later)."""
+    rows = [r for r in rows if r._mtp_tokens]
+    if len(rows) <= 1:
+        for r in rows:
+            r._flush_mtp()
+        return
+    n = [len(r._mtp_tokens) for r in rows]
+    Tm, H = max(n), model.config.hidden_size
+    r0 = rows[0]
+    toks = torch.tensor([r._mtp_tokens + [0] * (Tm - k) for r, k in zip(rows, n)], device=r0.device)  # [A, Tm]
+    hid = torch.zeros(len(rows), Tm, H, dtype=r0.dtype, device=r0.device)
+    for a, r in enumerate(rows):
+        hid[a, :n[a]] = r._mtp_hidden
+    sc = [r.scratch for r in rows]
+    ctx = FwdCtx.make(model.config, r0.device, r0.dtype, [s.slot for s in sc], [s.length for s in sc],
+                      [0] * len(rows), [0] * len(rows), Tm, False)
+    model.mtp_forward(toks, hid, ctx, r0.pool.mtp)  # [A, Tm, H]: only the K/V it writes is used
+    for r, k in zip(rows, n):
+        r.scratch.set_len(r.scratch.length + k)
+        r._mtp_tokens, r._mtp_hidden = [], None
 
 
 def _pick(rows: list[SpecSession], logits: torch.Tensor, extra: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
@@ -597,12 +648,13 @@ def _draft(model: Qwen35ForCausalLM, rows: list[SpecSession], ks: list[int],
     qlen = [len(rows[i]._mtp_tokens) for i in act]
     Tq = max(qlen)
     H = model.config.hidden_size
-    toks = torch.zeros(len(act), Tq, dtype=torch.long, device=dev)
-    hid = torch.zeros(len(act), Tq, H, dtype=dt, device=dev)
-    for a, i in enumerate(act):
-        r = rows[i]
-        toks[a, :qlen[a]] = torch.tensor(r._mtp_tokens, device=dev)
-        hid[a, :qlen[a]] = r._mtp_hidden
+    toks = torch.tensor([rows[i]._mtp_tokens + [0] * (Tq - q) for i, q in zip(act, qlen)], device=dev)  # [A, Tq]
+    if min(qlen) == Tq:
+        hid = torch.cat([rows[i]._mtp_hidden[None] for i in act])  # [A, Tq, H]
+    else:
+        hid = torch.zeros(len(act), Tq, H, dtype=dt, device=dev)
+        for a, i in enumerate(act):
+            hid[a, :qlen[a]] = rows[i]._mtp_hidden
     sc_pos = [rows[i].scratch.length for i in act]
     h, lg = runner.draft(model, pool, toks, hid, [rows[i].slot for i in act], sc_pos,
                          [q - 1 for q in qlen])  # [A, 1, H], [A, V]

@@ -159,7 +159,7 @@ def test_a_row_failing_in_a_batched_prefill_fails_alone(ckpt):
     ps = _prompts(model.config.vocab_size)
 
     class Failing(SpecSession):
-        def prefilled(self, ids, pre):
+        def prefilled(self, *args, **kwargs):
             raise RuntimeError("injected")
 
     sched = Scheduler(model, max_num_seqs=3, max_model_len=128, k=2, max_num_batched_tokens=512)

@@ -300,8 +300,8 @@ class GatedAttention(nn.Module):
                 kv.v[ctx.slots[0], p0:p0 + T] = v[0]
             else:
                 at = ctx.flat(kv.k.shape[1], "kv")  # [N*T] rows of the pool viewed as [slots * capacity, ...]
-                kv.k.flatten(0, 1).index_copy_(0, at, k.reshape(N * T, self.nkv, self.hd))
-                kv.v.flatten(0, 1).index_copy_(0, at, v.reshape(N * T, self.nkv, self.hd))
+                kv.k_rows.index_copy_(0, at, k.reshape(N * T, self.nkv, self.hd))
+                kv.v_rows.index_copy_(0, at, v.reshape(N * T, self.nkv, self.hd))
             if N == 1:  # one row over its own keys (views, no copies)
                 sl, S = ctx.slots[0], ctx.pos0[0] + T
                 mask = None if T == 1 else ctx.causal_mask(0, x.device)  # [T, S]
@@ -376,7 +376,7 @@ class GatedDeltaNet(nn.Module):
             conv_state = st.conv[ctx.slots[0], ctx.read[0]][None]
         elif live:  # N rows: the pool's [slots * window] rows, gathered / scattered by flat index
             rd, wr = ctx.flat(st.conv.shape[1], "read"), ctx.flat(st.conv.shape[1], "write")
-            conv_state = st.conv.flatten(0, 1).index_select(0, rd)  # [N, C, Kc-1]
+            conv_state = st.conv_rows.index_select(0, rd)  # [N, C, Kc-1]
         else:
             conv_state = qkv.new_zeros(N, qkv.shape[-1], self.kc - 1)
         y, window = causal_conv_window(qkv.transpose(1, 2), conv_state, w)  # [N, C, T], [N, C, Kc-1+T]
@@ -400,7 +400,7 @@ class GatedDeltaNet(nn.Module):
             # the state after token t is written straight to its place: one row, its window slot write0 + t of
             # the pool; N rows, plane t of a [T, N, ...] buffer that one scatter then moves to the pool. The state
             # read (a view of the live slot for one row) is consumed by step 0 before any write.
-            s = st.rec[ctx.slots[0], ctx.read[0]][None] if N == 1 else st.rec.flatten(0, 1).index_select(0, rd)
+            s = st.rec[ctx.slots[0], ctx.read[0]][None] if N == 1 else st.rec_rows.index_select(0, rd)
             if N == 1:
                 w0 = ctx.write0[0]
                 dst = st.rec[ctx.slots[0], w0:w0 + T]  # [T, nv, dk, dv] (pool view)
@@ -412,16 +412,16 @@ class GatedDeltaNet(nn.Module):
                                             out=dst[t:t + 1] if N == 1 else dst[t])
                 outs.append(o_t)
             if N > 1:  # every row's per-position states in one scatter (indices in the buffer's t-major order)
-                st.rec.flatten(0, 1).index_copy_(0, ctx.flat(st.rec.shape[1], "write_tmajor"), dst.flatten(0, 1))
+                st.rec_rows.index_copy_(0, ctx.flat(st.rec.shape[1], "write_tmajor"), dst.flatten(0, 1))
             o = torch.stack(outs, dim=1) if T > 1 else outs[0][:, None]  # [N, T, nv, dv]
             # conv state after token t = window[..., t+1 : t+Kc]: all T of them in one strided write
             states = window.unfold(-1, self.kc - 1, 1)[:, :, 1:T + 1].permute(0, 2, 1, 3)  # [N, T, C, Kc-1]
             if N == 1:
                 st.conv[ctx.slots[0], ctx.write0[0]:ctx.write0[0] + T] = states[0]
             else:
-                st.conv.flatten(0, 1).index_copy_(0, wr, states.flatten(0, 1))  # [N*T, C, Kc-1]
+                st.conv_rows.index_copy_(0, wr, states.flatten(0, 1))  # [N*T, C, Kc-1]
         else:
-            s0 = st.rec[ctx.slots[0], ctx.read[0]][None] if N == 1 else st.rec.flatten(0, 1).index_select(0, rd)
+            s0 = st.rec[ctx.slots[0], ctx.read[0]][None] if N == 1 else st.rec_rows.index_select(0, rd)
             if T == 1:
                 o, s = gdn_recurrent_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], s0)
                 o = o[:, None]
@@ -431,13 +431,13 @@ class GatedDeltaNet(nn.Module):
                 st.rec[ctx.slots[0], ctx.write0[0]] = s[0]
                 st.conv[ctx.slots[0], ctx.write0[0]] = window[0, :, T:]
             else:
-                st.rec.flatten(0, 1).index_copy_(0, wr, s)
+                st.rec_rows.index_copy_(0, wr, s)
                 if ctx.lens_t is None:
                     conv_end = window[..., T:]  # [N, C, Kc-1]
                 else:  # the window after each row's last real token: window[i, :, lens[i] : lens[i] + Kc-1]
                     at = ctx.lens_t[:, None, None] + torch.arange(self.kc - 1, device=x.device)  # [N, 1, Kc-1]
                     conv_end = window.gather(-1, at.expand(N, window.shape[1], self.kc - 1))
-                st.conv.flatten(0, 1).index_copy_(0, wr, conv_end)
+                st.conv_rows.index_copy_(0, wr, conv_end)
         o = self.norm(_as(o, dt), z)  # [N, T, nv, dv]
         return linear(o.reshape(N, T, self.nv * self.dv), self.out_proj.weight)
 

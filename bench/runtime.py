@@ -13,7 +13,10 @@ measurements are interleaved: every server stays up for the whole run and each r
 once, in turn, so load from other processes hits numerator and denominator alike; each figure is the best of the
 repetitions. The load average is printed with the figures.
 
-    .venv/bin/python bench/runtime.py [--tokens 128] [--repeat 3]
+    .venv/bin/python bench/runtime.py [--tokens 128] [--repeat 3] [--device cpu|cuda]
+
+--device cuda runs the servers, the engine and the transformers peer on the GPU (the servers need nextn's
+serving dependencies there: fastapi, uvicorn, pydantic, prometheus-client, llguidance, jinja2, httpx).
 """
 from __future__ import annotations
 
@@ -54,11 +57,11 @@ def _port() -> int:
 class Server:
     """`nextn serve MODEL` in a subprocess (one torch thread) on a free port."""
 
-    def __init__(self, model: Path, k: int, max_num_seqs: int = 8):
+    def __init__(self, model: Path, k: int, max_num_seqs: int = 8, device: str = "cpu"):
         self.port = _port()
         env = {**{k_: v for k_, v in os.environ.items() if not k_.startswith("NEXTN_")}, "OMP_NUM_THREADS": "1"}
         exe = Path(sys.executable).with_name("nextn")
-        self.proc = subprocess.Popen([str(exe), "serve", str(model), "--port", str(self.port), "--device", "cpu",
+        self.proc = subprocess.Popen([str(exe), "serve", str(model), "--port", str(self.port), "--device", device,
                                       "--num-speculative-tokens", str(k), "--max-num-seqs", str(max_num_seqs),
                                       "--max-model-len", "1024", "--log-level", "warning"], env=env)
         self.url = f"http://127.0.0.1:{self.port}"
@@ -97,16 +100,23 @@ def _clients_once(url: str, model: str, prompts: list[list[int]], n: int) -> flo
     return asyncio.run(once())
 
 
+def _sync(model) -> None:
+    if model.lm_head.weight.is_cuda:
+        torch.cuda.synchronize()
+
+
 def engine_tok_s(model, prompts: list[list[int]], n: int, k: int, repeat: int) -> float:
     """Best-of-`repeat` tokens/s of the engine alone: the prompts as one batch through a Scheduler."""
     def once() -> float:
         sched = Scheduler(model, max_num_seqs=len(prompts), max_model_len=1024, k=k, max_num_batched_tokens=512)
+        _sync(model)
         t0 = time.perf_counter()
         ss = [SpecSession(model, p, n, k=k, pool=sched.pool) for p in prompts]
         for s in ss:
             sched.add(s)
         while sched.num_sessions:
             sched.step()
+        _sync(model)
         return sum(len(s.emitted) for s in ss) / (time.perf_counter() - t0)
     once()
     return max(once() for _ in range(repeat))
@@ -117,11 +127,11 @@ class HfPeer:
     process's one torch thread, its default KV cache (use_cache=True), greedy, exactly n new tokens with no EOS
     stop (eos_token_id=None rather than a min-length logits processor), under inference_mode, warmed up."""
 
-    def __init__(self, ckpt: Path, prompt: list[int], n: int):
+    def __init__(self, ckpt: Path, prompt: list[int], n: int, device: str = "cpu"):
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
-        self.x, self.n = torch.tensor([prompt]), n
+        self.model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).to(device).eval()
+        self.x, self.n = torch.tensor([prompt], device=device), n
         self.kw = dict(max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0, use_cache=True)
         self.once()  # warm-up
 
@@ -134,9 +144,14 @@ class HfPeer:
                 f"max_new_tokens={self.n} with no EOS stop, warmed up")
 
     def once(self) -> float:
+        cuda = self.x.is_cuda
+        if cuda:
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         with torch.inference_mode():
             out = self.model.generate(self.x, **self.kw)
+        if cuda:
+            torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         assert out.shape[1] - self.x.shape[1] == self.n, out.shape
         return self.n / dt
@@ -185,23 +200,26 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = ap.parse_args()
+    dev = args.device
     torch.set_num_threads(1)
     n, rep = args.tokens, args.repeat
     tok = Tokenizer.from_dir(DEMO)
     chats = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}], enable_thinking=False))
              for t in DEFAULT_BENCH_PROMPTS]
     eight = [chats[i % len(chats)] for i in range(8)]
-    demo = load_model(DEMO)
+    demo = load_model(DEMO, device=dev)
     from tests.tiny import make_checkpoint
     ckpt = make_checkpoint(Path(tempfile.mkdtemp()) / "hf256", seed=5, mtp=False, vocab_size=2048, hidden_size=256,
                            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
                            linear_value_head_dim=64)
     prompt = list(range(10, 42))
-    hf = HfPeer(ckpt, prompt, n)
+    hf = HfPeer(ckpt, prompt, n, dev)
     load0 = os.getloadavg()
-    servers = {"k3": Server(DEMO, k=3), "k0": Server(DEMO, k=0), "hf256": Server(ckpt, k=0)}
+    servers = {"k3": Server(DEMO, k=3, device=dev), "k0": Server(DEMO, k=0, device=dev),
+               "hf256": Server(ckpt, k=0, device=dev)}
     figs: dict[str, float] = {}
     try:
         models = {name: httpx.get(srv.url + "/v1/models").json()["data"][0]["id"] for name, srv in servers.items()}
@@ -222,8 +240,8 @@ def main() -> int:
             srv.close()
     load1 = os.getloadavg()
     f = figs
-    out = [f"`.venv/bin/python bench/runtime.py --tokens {n} --repeat {rep}` (demo model, greedy, ignore_eos, "
-           f"{n} tokens per client, interleaved, best of {rep}, one torch thread; load average "
+    out = [f"`.venv/bin/python bench/runtime.py --tokens {n} --repeat {rep} --device {dev}` (demo model, greedy, "
+           f"ignore_eos, {n} tokens per client, interleaved, best of {rep}, one torch thread; load average "
            f"{load0[0]:.2f} before, {load1[0]:.2f} after)", "",
            "| measurement | tokens/s | ratio | goal |", "|---|---|---|---|",
            f"| server, 1 streaming client, K=3 | {f['one_k3']:.1f} | | |",
@@ -238,8 +256,9 @@ def main() -> int:
            f"| transformers `generate`, random 4-layer hidden-256 vocab-2048 checkpoint | {f['hf']:.1f} | | |",
            f"| nextn server plain greedy, same checkpoint, 1 client | {f['ours']:.1f} | {f['ours'] / f['hf']:.2f}x "
            f"transformers | >= 2x |", "", f"transformers peer: {hf.describe()}.", ""]
-    out.append("Round profile (cProfile, engine alone, K=3): one session: "
-               + profile_round(demo, chats[:1], n, 3) + "; batch of 8: " + profile_round(demo, eight, n, 3))
+    if dev == "cpu":
+        out.append("Round profile (cProfile, engine alone, K=3): one session: "
+                   + profile_round(demo, chats[:1], n, 3) + "; batch of 8: " + profile_round(demo, eight, n, 3))
     print("\n".join(out))
     return 0
 

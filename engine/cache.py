@@ -31,6 +31,9 @@ class KVPool:
     k: torch.Tensor
     v: torch.Tensor
 
+    def __post_init__(self) -> None:
+        self.k_rows, self.v_rows = self.k.flatten(0, 1), self.v.flatten(0, 1)  # [S * L, nkv, hd] views
+
     @classmethod
     def alloc(cls, cfg: Qwen35Config, slots: int, capacity: int, device: torch.device | str,
               dtype: torch.dtype) -> KVPool:
@@ -44,6 +47,9 @@ class GdnPool:
 
     conv: torch.Tensor
     rec: torch.Tensor
+
+    def __post_init__(self) -> None:
+        self.conv_rows, self.rec_rows = self.conv.flatten(0, 1), self.rec.flatten(0, 1)  # [S * W, ...] views
 
     @classmethod
     def alloc(cls, cfg: Qwen35Config, slots: int, window: int, device: torch.device | str,

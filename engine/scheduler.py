@@ -21,7 +21,7 @@ from .cache import StatePool, pool_bytes
 from .graphs import EAGER, GraphRunner, StepRunner, graph_buckets, padding_rows
 from .model.ops import dispatch as ops
 from .model.qwen35 import Qwen35ForCausalLM
-from .spec import PREFILL_CHUNK, SpecSession, spec_round
+from .spec import PREFILL_CHUNK, SpecSession, prefill_rows, spec_round
 
 #: Fraction of the free memory the state pool may take (the rest: activations, logits, the allocator).
 POOL_MEMORY_FRACTION = 0.8
@@ -122,6 +122,24 @@ class Scheduler:
             self.joining.remove(sess)
         sess.close()
 
+    def _prefill(self, group: list[SpecSession], chunks: list[int]) -> None:
+        """One chunk of each session's prompt: one batched forward (`prefill_rows`) when there are several and the
+        padding fits every row's slot, else one forward per session. A prompt that fails fails its own request;
+        a failing batched forward fails the sessions of that forward."""
+        T = max(chunks)
+        if len(group) > 1 and all(s.cache.length + T <= self.pool.capacity for s in group):
+            try:
+                prefill_rows(self.model, group, chunks)
+            except Exception as e:  # noqa: BLE001 - the batched part failed: every row of it is in doubt
+                for s in group:
+                    s.fail(e)
+            return
+        for s, c in zip(group, chunks):
+            try:
+                s.prefill_chunk(c)
+            except Exception as e:  # noqa: BLE001 - a prompt that fails fails its own request
+                s.fail(e)
+
     def step(self) -> StepResult:
         """One round for the running sessions, then prefill chunks under the token budget."""
         res = StepResult()
@@ -133,18 +151,19 @@ class Scheduler:
             except Exception as e:  # noqa: BLE001 - the batched part failed: every row of it is in doubt
                 for s in self.running:
                     s.fail(e)
-        ran = bool(self.running)
-        while self.joining and (budget > 0 or not ran):
-            s = self.joining[0]
-            try:
-                n = s.prefill_chunk(min(self.prefill_chunk, max(budget, 1)))
-            except Exception as e:  # noqa: BLE001 - a prompt that fails fails its own request
-                s.fail(e)
-                n = 0
-            budget -= n
-            ran = True
+        group, chunks = [], []  # joining sessions in order, each the chunk the budget leaves it
+        for s in self.joining:
+            if budget <= 0 and (group or self.running):
+                break
+            c = min(self.prefill_chunk, s.prefill_left, max(budget, 1))
+            group.append(s)
+            chunks.append(c)
+            budget -= c
+        if group:
+            self._prefill(group, chunks)
+        for s in group:
             if not s.prefilling or s.finished:
-                self.joining.popleft()
+                self.joining.remove(s)
                 counts[s] = 0
                 self.running.append(s)
         for s, before in counts.items():

@@ -34,7 +34,7 @@ from .sampling import PenaltyState, SpecSampling, probs_from_logits, sample
 
 __all__ = [
     "SPEC_TELEM_POS", "SpecTelemetry", "SpecSampling", "SpecConstraint", "SpecSession", "TokenLogprob",
-    "decode_step_t", "mtp_head_forward", "generate_spec", "prefill", "spec_round",
+    "decode_step_t", "mtp_head_forward", "generate_spec", "prefill", "prefill_rows", "spec_round",
 ]
 
 SPEC_TELEM_POS = 8  # tracked draft positions (serve K defaults to 3; gates sweep K = 1..8)
@@ -254,6 +254,7 @@ class SpecSession:
         self._prefilled = 0
         self._constraint_consumed = 0  # drafts already consumed by the constraint walk of this round
         self._window = 0  # drafts the constraint consumed while drafting this round (for its window masks)
+        self._last_row: tuple[torch.Tensor, torch.Tensor] | None = None  # prompt's last row, first token pending
         self._closed = False
         if pool is None:  # alone: a private one-slot pool sized for this request
             pool = StatePool(cfg, 1, self.max_len, self.k + 1, self.device, self.dtype, mtp=self.k > 0)
@@ -272,6 +273,11 @@ class SpecSession:
     def prefilling(self) -> bool:
         """Prompt tokens are still waiting for prefill."""
         return self._prefilled < len(self._to_prefill)
+
+    @property
+    def prefill_left(self) -> int:
+        """Prompt tokens still waiting for prefill."""
+        return len(self._to_prefill) - self._prefilled
 
     def attach(self, pool: StatePool, slot: int) -> None:
         """Bind this session to `slot` of `pool` (empty state)."""
@@ -344,14 +350,27 @@ class SpecSession:
         """Prefill up to `budget` queued prompt tokens (one trunk forward, chunked GDN); the MTP head takes the
         chunk's rows right away, except the prompt's last row, which waits for the first token. The last chunk
         also chooses and emits the first token. Returns the number of tokens prefilled."""
-        ids = self._to_prefill[self._prefilled:self._prefilled + max(1, budget)]
-        model, cache = self.model, self.cache
-        cache.check_room(len(ids))
+        ids = self.next_chunk(budget)
+        cache = self.cache
         x = torch.tensor([ids], device=self.device)
-        pos0 = cache.length
-        ctx = FwdCtx.make(self.cfg, self.device, self.dtype, [self.slot], [pos0], [cache.cur], [cache.cur], len(ids),
-                          False)
-        pre = model.forward_step(x, ctx, self.pool)[0]  # [t, H]
+        ctx = FwdCtx.make(self.cfg, self.device, self.dtype, [self.slot], [cache.length], [cache.cur], [cache.cur],
+                          len(ids), False)
+        self.prefilled(ids, self.model.forward_step(x, ctx, self.pool)[0])  # [t, H]
+        return len(ids)
+
+    def next_chunk(self, budget: int) -> list[int]:
+        """The next up to `budget` (at least 1) queued prompt tokens; raises if they do not fit in the cache."""
+        ids = self._to_prefill[self._prefilled:self._prefilled + max(1, budget)]
+        self.cache.check_room(len(ids))
+        return ids
+
+    def prefilled(self, ids: list[int], pre: torch.Tensor, flush_mtp: bool = True) -> None:
+        """Host side of a prefill chunk: `ids` (from `next_chunk`) went through the trunk at cache.length.., `pre`
+        [t, H] their pre-norm hiddens. Advances the cache, feeds the MTP head, and after the prompt's last chunk
+        chooses and emits the first token. flush_mtp=False (a batched prefill): the chunk's MTP rows stay queued
+        and the first token waits; the caller writes every row's queue in one head forward (`_flush_mtp_rows`),
+        then calls `choose_first`."""
+        model, cache = self.model, self.cache
         cache.length += len(ids)
         self._prefilled += len(ids)
         self.prefill_tokens += len(ids)
@@ -364,14 +383,24 @@ class SpecSession:
             nxt = self._to_prefill[self._prefilled - len(ids) + 1:self._prefilled + 1]  # token i+1 of each row
             carrier = post if self.hidden_mode == "post" else pre
             self._queue_mtp_rows(nxt, carrier[:len(nxt)])
-            self._flush_mtp()
+            if flush_mtp:
+                self._flush_mtp()
         if done:
-            logits = model.logits(post[-1])  # only the row that is used
-            first = self._choose(logits)
-            if self.k > 0:
-                self._queue_mtp_rows([first], (post if self.hidden_mode == "post" else pre)[-1:])
-            self._emit([first], logits[None])
-        return len(ids)
+            self._last_row = (pre[-1:], post[-1:])  # [1, H] each: the prompt's last row
+            if flush_mtp:
+                self.choose_first()
+
+    def choose_first(self) -> None:
+        """After the prompt's last chunk and its MTP rows: choose, emit and queue the first token (else a no-op)."""
+        if self._last_row is None:
+            return
+        pre, post = self._last_row
+        self._last_row = None
+        logits = self.model.logits(post[0])  # only the row that is used
+        first = self._choose(logits)
+        if self.k > 0:
+            self._queue_mtp_rows([first], post if self.hidden_mode == "post" else pre)
+        self._emit([first], logits[None])
 
     def _prompt_logprobs(self, post: torch.Tensor, start: int) -> None:
         """Logprobs of the prompt tokens that the chunk's rows `post` [t, H] (prompt positions start..) predict,
@@ -522,6 +551,67 @@ class SpecSession:
 
 
 # ------------------------------------------------------------------------------------------ the batched round
+@torch.inference_mode()
+def prefill_rows(model: Qwen35ForCausalLM, rows: list[SpecSession], budgets: list[int]) -> list[int]:
+    """Prefill the next chunk (up to budgets[i] tokens) of every row's queued prompt in ONE trunk forward, then
+    each row's host side as `SpecSession.prefill_chunk` does. Rows are right-padded to the longest chunk: the
+    padding's K/V land past the row's length (overwritten later) and its GDN tokens leave the state unchanged
+    (`FwdCtx` lens), so each row ends in the state of its own tokens. The caller checks that every row's
+    cache.length + max chunk fits the pool's capacity. A row whose host side fails is failed alone; a failing
+    forward raises (every row is then in doubt). Returns the tokens prefilled per row."""
+    chunks = [r.next_chunk(b) for r, b in zip(rows, budgets)]
+    T = max(len(c) for c in chunks)
+    r0 = rows[0]
+    x = torch.tensor([c + [0] * (T - len(c)) for c in chunks], device=r0.device)  # [N, T]
+    cur = [r.cache.cur for r in rows]
+    ctx = FwdCtx.make(model.config, r0.device, r0.dtype, [r.slot for r in rows], [r.cache.length for r in rows],
+                      cur, cur, T, False, lens=[len(c) for c in chunks])
+    pre = model.forward_step(x, ctx, r0.pool)  # [N, T, H]
+    ok = []
+    for i, r in enumerate(rows):
+        try:
+            r.prefilled(chunks[i], pre[i, :len(chunks[i])], flush_mtp=False)
+            ok.append(r)
+        except Exception as e:  # noqa: BLE001 - one row's host side (its logprobs, ...) fails that row
+            r.fail(e)
+    try:
+        _flush_mtp_rows(model, ok)
+    except Exception as e:  # noqa: BLE001 - the batched head forward failed: its rows are in doubt
+        for r in ok:
+            r.fail(e)
+        ok = []
+    for r in ok:
+        try:
+            r.choose_first()
+        except Exception as e:  # noqa: BLE001 - one row's choice (its grammar) fails that row
+            r.fail(e)
+    return [len(c) for c in chunks]
+
+
+def _flush_mtp_rows(model: Qwen35ForCausalLM, rows: list[SpecSession]) -> None:
+    """Write every row's queued MTP rows (prefill) into its scratch in ONE head forward, rows right-padded (the
+    padding's K/V land past each row's scratch length and are overwritten later)."""
+    rows = [r for r in rows if r._mtp_tokens]
+    if len(rows) <= 1:
+        for r in rows:
+            r._flush_mtp()
+        return
+    n = [len(r._mtp_tokens) for r in rows]
+    Tm, H = max(n), model.config.hidden_size
+    r0 = rows[0]
+    toks = torch.tensor([r._mtp_tokens + [0] * (Tm - k) for r, k in zip(rows, n)], device=r0.device)  # [A, Tm]
+    hid = torch.zeros(len(rows), Tm, H, dtype=r0.dtype, device=r0.device)
+    for a, r in enumerate(rows):
+        hid[a, :n[a]] = r._mtp_hidden
+    sc = [r.scratch for r in rows]
+    ctx = FwdCtx.make(model.config, r0.device, r0.dtype, [s.slot for s in sc], [s.length for s in sc],
+                      [0] * len(rows), [0] * len(rows), Tm, False)
+    model.mtp_forward(toks, hid, ctx, r0.pool.mtp)  # [A, Tm, H]: only the K/V it writes is used
+    for r, k in zip(rows, n):
+        r.scratch.set_len(r.scratch.length + k)
+        r._mtp_tokens, r._mtp_hidden = [], None
+
+
 def _pick(rows: list[SpecSession], logits: torch.Tensor, extra: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
                                                                                         list[torch.Tensor | None]]:
     """Each row's draft from its MTP logits [A, V] (fp32): argmax for greedy rows, a draw from q for sampled ones.
@@ -558,12 +648,13 @@ def _draft(model: Qwen35ForCausalLM, rows: list[SpecSession], ks: list[int],
     qlen = [len(rows[i]._mtp_tokens) for i in act]
     Tq = max(qlen)
     H = model.config.hidden_size
-    toks = torch.zeros(len(act), Tq, dtype=torch.long, device=dev)
-    hid = torch.zeros(len(act), Tq, H, dtype=dt, device=dev)
-    for a, i in enumerate(act):
-        r = rows[i]
-        toks[a, :qlen[a]] = torch.tensor(r._mtp_tokens, device=dev)
-        hid[a, :qlen[a]] = r._mtp_hidden
+    toks = torch.tensor([rows[i]._mtp_tokens + [0] * (Tq - q) for i, q in zip(act, qlen)], device=dev)  # [A, Tq]
+    if min(qlen) == Tq:
+        hid = torch.cat([rows[i]._mtp_hidden[None] for i in act])  # [A, Tq, H]
+    else:
+        hid = torch.zeros(len(act), Tq, H, dtype=dt, device=dev)
+        for a, i in enumerate(act):
+            hid[a, :qlen[a]] = rows[i]._mtp_hidden
     sc_pos = [rows[i].scratch.length for i in act]
     h, lg = runner.draft(model, pool, toks, hid, [rows[i].slot for i in act], sc_pos,
                          [q - 1 for q in qlen])  # [A, 1, H], [A, V]
@@ -624,10 +715,13 @@ def _accept(rows: list[SpecSession], logits: torch.Tensor, drafts: torch.Tensor,
     dev = logits.device
     cols = torch.arange(T, device=dev)
     valid = drafts >= 0  # [N, K]
-    ex = drafts[:, None, :].expand(N, T, K).masked_fill(torch.arange(K, device=dev) >= cols[:, None], -1)  # [N, T, K]
-    # column t of row i chooses output token len(emitted) + t (min_tokens); host ints, no sync
-    proc = torch.stack([r._pen.apply(logits[i], r.sampling, ex[i], n_out=len(r.emitted)) for i, r in enumerate(rows)]) \
-        if any(r.sampling.processes for r in rows) else logits
+    proc = logits
+    if any(r.sampling.processes for r in rows):
+        # column t of row i chooses output token len(emitted) + t (min_tokens); host ints, no sync
+        later = torch.arange(K, device=dev) >= cols[:, None]  # [T, K]: draft j comes after column t
+        ex = drafts[:, None, :].expand(N, T, K).masked_fill(later, -1)  # [N, T, K]
+        proc = torch.stack([r._pen.apply(logits[i], r.sampling, ex[i], n_out=len(r.emitted))
+                            for i, r in enumerate(rows)])
     # greedy rows under a grammar accept by the MASKED argmax of each column (what constrained plain greedy picks
     # after the same drafts): the masks of the states the drafts reached, kept while drafting
     masks = [(i, r.constraint.window_mask(r._window + 1, dev)) for i, r in enumerate(rows) if ks[i] > 0
@@ -637,9 +731,12 @@ def _accept(rows: list[SpecSession], logits: torch.Tensor, drafts: torch.Tensor,
         for i, m in masks:
             proc[i, :m.shape[0]] = proc[i, :m.shape[0]].masked_fill(~m, float("-inf"))
     am = ops.argmax(proc.flatten(0, 1)).view(N, T)  # [N, T]
-    match = (am[:, :K] == drafts) & valid
-    n_acc = torch.cumprod(match.long(), dim=1).sum(dim=1)  # [N]
-    bonus = am.gather(1, n_acc[:, None])[:, 0]  # [N]
+    if K == 0:  # plain steps only: nothing to accept, each bonus is its row's column-0 choice
+        n_acc, bonus = torch.zeros(N, dtype=torch.long, device=dev), am[:, 0]
+    else:
+        match = (am[:, :K] == drafts) & valid
+        n_acc = torch.cumprod(match.long(), dim=1).sum(dim=1)  # [N]
+        bonus = am.gather(1, n_acc[:, None])[:, 0]  # [N]
     for i, r in enumerate(rows):
         if r.sampling.greedy or r.constraint is not None:  # constrained rows choose on the host (commit_round)
             continue
@@ -657,6 +754,8 @@ def _accept(rows: list[SpecSession], logits: torch.Tensor, drafts: torch.Tensor,
         use_resid = (na < kd) & (resid.sum() > 0)
         dist = torch.where(use_resid, resid / resid.sum().clamp_min(1e-300), p[na])
         n_acc[i], bonus[i] = na, sample(dist, r._gen)
+    if K == 0:
+        return n_acc, bonus[:, None]
     out = torch.where(cols < n_acc[:, None], torch.cat([drafts, bonus[:, None]], 1), bonus[:, None])  # [N, T]
     return n_acc, out
 

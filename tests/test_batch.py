@@ -113,6 +113,85 @@ def test_prefill_is_chunked_under_the_token_budget(ckpt):
     assert long.emitted == generate_spec(model, ps[2], 5, k=0)[0]
 
 
+def _live_state(sess: SpecSession) -> list[torch.Tensor]:
+    """The session's live trunk state: every layer's K/V rows [:length], GDN recurrent and conv state."""
+    out = []
+    for st in sess.pool.layers:
+        if hasattr(st, "rec"):
+            out += [st.rec[sess.slot, sess.cache.cur], st.conv[sess.slot, sess.cache.cur]]
+        else:
+            out += [st.k[sess.slot, :sess.cache.length], st.v[sess.slot, :sess.cache.length]]
+    return out
+
+
+def test_joining_prompts_prefill_in_one_forward(model):
+    """Sessions that join together prefill in ONE trunk forward (rows right-padded to the longest chunk); the
+    padding changes no row's state (its GDN tokens keep the state, its K/V land past the row), so each row's live
+    state matches its prefill alone and greedy output equals plain greedy."""
+    V = model.config.vocab_size
+    ps = _prompts(V)
+    which = (0, 1, 3, 4)  # 3, 17, 6 and 41 tokens
+    sched = Scheduler(model, max_num_seqs=4, max_model_len=160, k=3, max_num_batched_tokens=512)
+    rows = [SpecSession(model, ps[i], 12, k=3, pool=sched.pool) for i in which]
+    shapes = []
+    orig = model.forward_step
+    model.forward_step = lambda ids, ctx, pool: shapes.append(tuple(ids.shape)) or orig(ids, ctx, pool)
+    try:
+        for r in rows:
+            sched.add(r)
+        sched.step()
+    finally:
+        del model.forward_step
+    assert shapes == [(4, 41)]
+    tol = 1e-12 if model.config.dtype == torch.float64 else 2e-5
+    for r, i in zip(rows, which):
+        alone = SpecSession(model, ps[i], 12, k=3)
+        alone.step()  # its prefill, alone, and the first token
+        assert r.emitted == alone.emitted and r.cache.length == alone.cache.length == len(ps[i])
+        for a, b in zip(_live_state(r), _live_state(alone)):
+            assert (a - b).abs().max() <= tol * max(1.0, b.abs().max()), f"prompt {i}"
+    _run(sched, {})
+    assert [r.emitted for r in rows] == [generate_spec(model, ps[i], 12, k=0)[0] for i in which]
+
+
+def test_a_row_failing_in_a_batched_prefill_fails_alone(ckpt):
+    model = load_model(ckpt)
+    ps = _prompts(model.config.vocab_size)
+
+    class Failing(SpecSession):
+        def prefilled(self, *args, **kwargs):
+            raise RuntimeError("injected")
+
+    sched = Scheduler(model, max_num_seqs=3, max_model_len=128, k=2, max_num_batched_tokens=512)
+    good = [SpecSession(model, ps[i], 10, k=2, pool=sched.pool) for i in (0, 3)]
+    bad = Failing(model, ps[1], 10, k=2, pool=sched.pool)
+    for s in (good[0], bad, good[1]):
+        sched.add(s)
+    res = sched.step()
+    assert res.finished == [bad] and isinstance(bad.error, RuntimeError) and sched.pool.num_free == 1
+    _run(sched, {})
+    assert [s.emitted for s in good] == [generate_spec(model, ps[i], 10, k=0)[0] for i in (0, 3)]
+
+
+def test_a_batched_prefill_whose_padding_would_pass_a_slot_runs_row_by_row(ckpt):
+    """A row near its slot's end (60 of 80 positions used, 6 prompt tokens left) joins a 30-token chunk: padding it
+    to 30 would write past the slot, so that step prefills row by row instead."""
+    model = load_model(ckpt)
+    V = model.config.vocab_size
+    g = torch.Generator().manual_seed(5)
+    long, short = (torch.randint(0, V, (n,), generator=g).tolist() for n in (66, 30))
+    sched = Scheduler(model, max_num_seqs=2, max_model_len=64, k=3, max_num_batched_tokens=60)
+    assert sched.pool.capacity == 80
+    a = SpecSession(model, long, 3, k=3, capmax=3, pool=sched.pool)
+    sched.add(a)
+    sched.step()
+    assert a.cache.length == 60
+    b = SpecSession(model, short, 3, k=3, capmax=3, pool=sched.pool)
+    _run(sched, {0: [b]})
+    assert a.error is None and b.error is None
+    assert [a.emitted, b.emitted] == [generate_spec(model, p, 3, k=0)[0] for p in (long, short)]
+
+
 def test_too_large_pool_is_refused_with_the_setting_to_lower(ckpt):
     model = load_model(ckpt)
     with pytest.raises(PoolTooLarge, match="lower --max-num-seqs or --max-model-len"):

@@ -24,6 +24,19 @@ def test_norm_twins_are_the_model_modules(dtype):
         assert_bitwise(nm.gated_rms_norm_ref(x, z, gated.weight, EPS), gated(x, z), "gated twin vs GatedRMSNorm")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_written_out_rms_is_torchs_rms_norm_bit_for_bit(dtype):
+    """The twins spell torch's CPU rms_norm out as five ops (it is faster so); the numbers must not move (CPU: a
+    GPU's F.rms_norm is a fused kernel with its own rounding)."""
+    g = torch.Generator().manual_seed(10)
+    for shape in [(1, 1, 256), (4, 3, 48), (8, 4, 4, 32), (2, 17, 1024)]:
+        for scale in (1e-3, 1.0, 1e3):
+            x, w = rand(*shape, dtype=dtype, gen=g, scale=scale).cpu(), rand(shape[-1], dtype=dtype, gen=g).cpu()
+            F = torch.nn.functional
+            assert_bitwise(nm._rms(x, EPS), F.rms_norm(x, (shape[-1],), None, EPS), f"{shape} x{scale}")
+            assert_bitwise(nm.rms_norm_ref(x, w, EPS), F.rms_norm(x, (shape[-1],), 1 + w, EPS), f"{shape} w")
+
+
 @needs_triton
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_norm_kernels_match_twins_and_rows_are_invariant(dtype):

@@ -10,11 +10,13 @@ zero-centred (1+w) RMSNorm. One forward handles three cases, chosen by the calle
   * a `FwdCtx` with record=True (spec verify and decode, N rows x T tokens): GDN runs the recurrent step per
     token and writes the state after each token to its own window slot, so the session keeps any prefix in
     O(1) (it only chooses which slot is live).
-Rows of one forward are independent sequences in different pool slots; each row's attention runs over its own
-cached keys, the GDN recurrence and every projection are row-wise.
+Rows of one forward are independent sequences in different pool slots; each row's queries see only its own
+cached keys (a per-row causal mask), the GDN recurrence and every projection are row-wise. Rows may be right-padded
+(`FwdCtx`): padding never reaches a real row's outputs or final state.
 
 Two implementations of the same math, chosen per tensor by `ops.use_triton` (CUDA with triton installed):
-  * the torch path (CPU): F.linear, SDPA per row, the torch GDN recurrence; unchanged by the kernel path;
+  * the torch path (CPU): F.linear, one SDPA call over all rows (each row masked to its own keys), the torch GDN
+    recurrence; unchanged by the kernel path. Its rounding may depend on the batch (bench/RESULTS.md measures it);
   * the kernel path: every linear (the fused projections, the LM head with fp32 logits, the MoE experts grouped
     by expert) is the batch-invariant Triton matmul, norms and activations are fused row-wise kernels, and a
     step forward (decode, verify, MTP draft) built with `FwdCtx.from_tensors` runs attention over the pool and
@@ -62,6 +64,11 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         return ops.gated_rms_norm(x, z, self.weight, self.eps)
+
+
+def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in `dtype` (x itself when it already is: a no-op `.to` still costs a dispatch per call)."""
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -122,7 +129,10 @@ class FwdCtx:
     Row i's T new tokens sit at positions pos0[i].. of pool slot slots[i]. GDN layers read the state in window
     slot read[i]; with record=True the state after token t goes to window slot write0[i] + t, else only the final
     state goes to write0[i]. Rows shorter than T are padding at the end (their extra outputs are ignored; their
-    K/V land past the row's length and their states in window slots that are never made live).
+    K/V land past the row's length and their states in window slots that are never made live). A forward that
+    writes only final states (record=False, batched prefill) names each row's real length in `lens`: GDN layers
+    then make the padding tokens leave the state unchanged (decay 1, beta 0) and keep the conv window of token
+    lens[i] - 1, so a row's final state is that of its own tokens.
 
     `from_tensors` builds the kernel path's step context instead: device tensors only (the host lists are None),
     `kernels` True, record semantics with write0 = 0 (the pool layout's step contract)."""
@@ -142,14 +152,20 @@ class FwdCtx:
     pos0_t: torch.Tensor | None = None  # [N] long (kernel path)
     kernels: bool = False  # a `from_tensors` step context: attention and GDN run as kernels over the pool
     _masks: torch.Tensor | None = None  # [N, T, max S] bool, built by the first `causal_mask` call
+    _flat: dict | None = None  # (width, what) -> flat pool-row indices, built by the first `flat` call
+    lens: list[int] | None = None  # record=False, N rows: each row's real token count (None: all T)
+    lens_t: torch.Tensor | None = None  # [N] long, when lens is set
 
     @classmethod
     def make(cls, cfg, device: torch.device | str, dtype: torch.dtype, slots: list[int], pos0: list[int],
-             read: list[int], write0: list[int], T: int, record: bool) -> FwdCtx:
+             read: list[int], write0: list[int], T: int, record: bool, lens: list[int] | None = None) -> FwdCtx:
         """The context of a host-driven forward. One row (the torch path then reads the host lists): no index
-        tensors (None), RoPE rows as a slice of the table; N rows: the index tensors, RoPE rows gathered."""
+        tensors (None), RoPE rows as a slice of the table; N rows: the index tensors, RoPE rows gathered.
+        lens: N rows with record=False, their real lengths (<= T; the rest is right padding)."""
         N = len(slots)
+        assert lens is None or (not record and len(lens) == N and max(lens) <= T)
         if N == 1:
+            assert lens is None or lens[0] == T
             cos, sin = rope_table(cfg, pos0[0] + T, device, dtype)
             p0 = pos0[0]
             return cls(slots, pos0, read, write0, T, record, None, None, None, None, None,
@@ -161,17 +177,58 @@ class FwdCtx:
         if record:
             write_t = write_t[:, None] + ar  # [N, T]
         cos, sin = rope_table(cfg, max(pos0) + T, device, dtype)
-        return cls(slots, pos0, read, write0, T, record, slot_t, torch.tensor(read, device=device), write_t,
-                   slot_t.repeat_interleave(T), positions.reshape(N * T), (cos[positions], sin[positions]))
+        ctx = cls(slots, pos0, read, write0, T, record, slot_t, torch.tensor(read, device=device), write_t,
+                  slot_t.repeat_interleave(T), positions.reshape(N * T), (cos[positions], sin[positions]))
+        if lens is not None and min(lens) < T:
+            ctx.lens, ctx.lens_t = list(lens), torch.tensor(lens, device=device)
+        return ctx
 
-    def causal_mask(self, i: int, device: torch.device | str) -> torch.Tensor:
-        """Host forwards: row i's attention mask [T, pos0[i] + T] (query t sees keys 0..pos0[i] + t), a view of
-        every row's masks, built once per forward for all of its attention layers."""
+    def causal_masks(self, device: torch.device | str) -> torch.Tensor:
+        """Host forwards: every row's attention mask [N, T, max(pos0) + T] (query t of row i sees keys
+        0..pos0[i] + t), built once per forward for all of its attention layers."""
         assert self.pos0 is not None
         if self._masks is None:
             q = torch.tensor(self.pos0, device=device)[:, None] + torch.arange(self.T, device=device)  # [N, T]
             self._masks = torch.arange(max(self.pos0) + self.T, device=device) <= q[..., None]  # [N, T, S]
-        return self._masks[i, :, :self.pos0[i] + self.T]
+        return self._masks
+
+    def causal_mask(self, i: int, device: torch.device | str) -> torch.Tensor:
+        """Row i's mask [T, pos0[i] + T] (a view of `causal_masks`)."""
+        return self.causal_masks(device)[i, :, :self.pos0[i] + self.T]
+
+    def rows(self, pool: torch.Tensor, S: int) -> torch.Tensor:
+        """N-row host forwards: positions :S of the rows' slots of a pool tensor [slots, capacity, ...] ->
+        [N, S, ...]; a view when the slots are consecutive and ascending (the usual case: slots are handed out
+        in order), else a gather."""
+        assert self.slots is not None and self.slot_t is not None
+        lo = self.slots[0]
+        if self.slots == list(range(lo, lo + len(self.slots))):
+            return pool[lo:lo + len(self.slots), :S]
+        return pool[:, :S].index_select(0, self.slot_t)
+
+    def flat(self, width: int, what: str) -> torch.Tensor:
+        """N-row host forwards: indices into a pool tensor viewed as [slots * width, ...] (its first two dims
+        flattened; width = the pool's window or capacity), built once per forward and width for every layer.
+        what: "read" [N] (row i's read window slot), "write" [N*T] with record (window slot write0[i] + t of row
+        i, row-major) or [N] without, "kv" [N*T] (position pos0[i] + t of row i). Distinct rows hold distinct
+        slots, so no index repeats: `index_copy_` with them is a plain scatter."""
+        assert self.slot_t is not None
+        key = (width, what)
+        if self._flat is None:
+            self._flat = {}
+        idx = self._flat.get(key)
+        if idx is None:
+            if what == "read":
+                idx = self.slot_t * width + self.read_t  # [N]
+            elif what == "write_tmajor":  # record: the "write" slots ordered token-major ([T, N] flattened)
+                idx = self.flat(width, "write").view(len(self.slot_t), self.T).t().reshape(-1)
+            elif what == "write":
+                base = self.slot_t[:, None] if self.record else self.slot_t
+                idx = (base * width + self.write_t).reshape(-1)  # [N*T] or [N]
+            else:
+                idx = self.kv_slot * width + self.kv_pos  # [N*T]
+            self._flat[key] = idx
+        return idx
 
     @classmethod
     def from_tensors(cls, slot: torch.Tensor, pos0: torch.Tensor, cur: torch.Tensor, T: int,
@@ -242,18 +299,22 @@ class GatedAttention(nn.Module):
                 kv.k[ctx.slots[0], p0:p0 + T] = k[0]
                 kv.v[ctx.slots[0], p0:p0 + T] = v[0]
             else:
-                kv.k[ctx.kv_slot, ctx.kv_pos] = k.reshape(N * T, self.nkv, self.hd)
-                kv.v[ctx.kv_slot, ctx.kv_pos] = v.reshape(N * T, self.nkv, self.hd)
-            # each row over its own keys (views, no copies): results never depend on the other rows
-            qh, kh, vh = q.transpose(1, 2), kv.k.transpose(1, 2), kv.v.transpose(1, 2)  # [*, heads, pos, hd]
-            outs = []
-            for i in range(N):
-                sl, S = ctx.slots[i], ctx.pos0[i] + T
-                mask = None if T == 1 else ctx.causal_mask(i, x.device)  # [T, S]
-                outs.append(F.scaled_dot_product_attention(qh[i:i + 1], kh[sl:sl + 1, :, :S], vh[sl:sl + 1, :, :S],
-                                                           attn_mask=mask, scale=self.hd ** -0.5,
-                                                           enable_gqa=gqa))  # [1, nh, T, hd]
-            o = (outs[0] if N == 1 else torch.cat(outs)).transpose(1, 2)  # [N, T, nh, hd]
+                at = ctx.flat(kv.k.shape[1], "kv")  # [N*T] rows of the pool viewed as [slots * capacity, ...]
+                kv.k_rows.index_copy_(0, at, k.reshape(N * T, self.nkv, self.hd))
+                kv.v_rows.index_copy_(0, at, v.reshape(N * T, self.nkv, self.hd))
+            if N == 1:  # one row over its own keys (views, no copies)
+                sl, S = ctx.slots[0], ctx.pos0[0] + T
+                mask = None if T == 1 else ctx.causal_mask(0, x.device)  # [T, S]
+                o = F.scaled_dot_product_attention(q.transpose(1, 2), kv.k[sl:sl + 1, :S].transpose(1, 2),
+                                                   kv.v[sl:sl + 1, :S].transpose(1, 2), attn_mask=mask,
+                                                   scale=self.hd ** -0.5, enable_gqa=gqa)  # [1, nh, T, hd]
+            else:  # every row in one call over the longest row's span; row i's mask hides keys past pos0[i] + t
+                S = max(ctx.pos0) + T
+                o = F.scaled_dot_product_attention(q.transpose(1, 2), ctx.rows(kv.k, S).transpose(1, 2),
+                                                   ctx.rows(kv.v, S).transpose(1, 2),
+                                                   attn_mask=ctx.causal_masks(x.device)[:, None],  # [N, 1, T, S]
+                                                   scale=self.hd ** -0.5, enable_gqa=gqa)  # [N, nh, T, hd]
+            o = o.transpose(1, 2)  # [N, T, nh, hd]
         gate = gate.reshape(N, T, self.nh * self.hd)
         return linear(o.reshape(N, T, self.nh * self.hd) * torch.sigmoid(gate), self.o_proj.weight)
 
@@ -313,45 +374,54 @@ class GatedDeltaNet(nn.Module):
         live = ctx is not None and st is not None
         if live and N == 1:  # one row: read the live slot through a view (no gather)
             conv_state = st.conv[ctx.slots[0], ctx.read[0]][None]
-        elif live:
-            conv_state = st.conv[ctx.slot_t, ctx.read_t]
+        elif live:  # N rows: the pool's [slots * window] rows, gathered / scattered by flat index
+            rd, wr = ctx.flat(st.conv.shape[1], "read"), ctx.flat(st.conv.shape[1], "write")
+            conv_state = st.conv_rows.index_select(0, rd)  # [N, C, Kc-1]
         else:
             conv_state = qkv.new_zeros(N, qkv.shape[-1], self.kc - 1)
         y, window = causal_conv_window(qkv.transpose(1, 2), conv_state, w)  # [N, C, T], [N, C, Kc-1+T]
         y = y.transpose(1, 2)  # [N, T, C]
         Kd = self.nk * self.dk
-        qk = l2norm(y[..., :2 * Kd].reshape(N, T, 2 * self.nk, self.dk).to(sdt))  # q and k heads in one pass
+        qk = l2norm(_as(y[..., :2 * Kd].reshape(N, T, 2 * self.nk, self.dk), sdt))  # q and k heads in one pass
         q, k = qk[:, :, :self.nk] * (self.dk ** -0.5), qk[:, :, self.nk:]
-        v = y[..., 2 * Kd:].reshape(N, T, self.nv, self.dv).to(sdt)
-        beta = torch.sigmoid(b).to(sdt)
+        v = _as(y[..., 2 * Kd:].reshape(N, T, self.nv, self.dv), sdt)
+        beta = _as(torch.sigmoid(b), sdt)
         neg_a, dt_bias = self._decay_consts()
-        g = neg_a * F.softplus(a.to(sdt) + dt_bias)  # [N, T, nv] log decay
+        g = neg_a * F.softplus(_as(a, sdt) + dt_bias)  # [N, T, nv] log decay
+        if live and ctx.lens_t is not None:  # right padding: its tokens keep the state (decay 1, beta 0)
+            real = (torch.arange(T, device=x.device) < ctx.lens_t[:, None])[..., None]  # [N, T, 1]
+            g, beta = g.where(real, 0.0), beta.where(real, 0.0)
         r = self.nv // self.nk
         if r > 1:
             q, k = q.repeat_interleave(r, dim=2), k.repeat_interleave(r, dim=2)
         if not live:
             o, _ = gdn_chunked(q, k, v, g, beta, None)
         elif ctx.record:
-            # [N, nv, dk, dv]; every step makes a new tensor, so writing slot t never clobbers the state read
-            s = st.rec[ctx.slots[0], ctx.read[0]][None] if N == 1 else st.rec[ctx.slot_t, ctx.read_t]
-            outs, states = [], []
+            # the state after token t is written straight to its place: one row, its window slot write0 + t of
+            # the pool; N rows, plane t of a [T, N, ...] buffer that one scatter then moves to the pool. The state
+            # read (a view of the live slot for one row) is consumed by step 0 before any write.
+            s = st.rec[ctx.slots[0], ctx.read[0]][None] if N == 1 else st.rec_rows.index_select(0, rd)
+            if N == 1:
+                w0 = ctx.write0[0]
+                dst = st.rec[ctx.slots[0], w0:w0 + T]  # [T, nv, dk, dv] (pool view)
+            else:
+                dst = s.new_empty(T, *s.shape)  # [T, N, nv, dk, dv]
+            outs = []
             for t in range(T):
-                o_t, s = gdn_recurrent_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], s)
-                states.append(s)
+                o_t, s = gdn_recurrent_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], s,
+                                            out=dst[t:t + 1] if N == 1 else dst[t])
                 outs.append(o_t)
-            if N == 1:  # the per-position states in one slice write
-                st.rec[ctx.slots[0], ctx.write0[0]:ctx.write0[0] + T] = torch.cat(states)  # [T, nv, dk, dv]
-            else:  # every row's per-position states in one write
-                st.rec[ctx.slot_t[:, None], ctx.write_t] = torch.stack(states, dim=1)  # [N, T, nv, dk, dv]
+            if N > 1:  # every row's per-position states in one scatter (indices in the buffer's t-major order)
+                st.rec_rows.index_copy_(0, ctx.flat(st.rec.shape[1], "write_tmajor"), dst.flatten(0, 1))
             o = torch.stack(outs, dim=1) if T > 1 else outs[0][:, None]  # [N, T, nv, dv]
             # conv state after token t = window[..., t+1 : t+Kc]: all T of them in one strided write
             states = window.unfold(-1, self.kc - 1, 1)[:, :, 1:T + 1].permute(0, 2, 1, 3)  # [N, T, C, Kc-1]
             if N == 1:
                 st.conv[ctx.slots[0], ctx.write0[0]:ctx.write0[0] + T] = states[0]
             else:
-                st.conv[ctx.slot_t[:, None], ctx.write_t] = states
+                st.conv_rows.index_copy_(0, wr, states.flatten(0, 1))  # [N*T, C, Kc-1]
         else:
-            s0 = st.rec[ctx.slots[0], ctx.read[0]][None] if N == 1 else st.rec[ctx.slot_t, ctx.read_t]
+            s0 = st.rec[ctx.slots[0], ctx.read[0]][None] if N == 1 else st.rec_rows.index_select(0, rd)
             if T == 1:
                 o, s = gdn_recurrent_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], s0)
                 o = o[:, None]
@@ -361,9 +431,14 @@ class GatedDeltaNet(nn.Module):
                 st.rec[ctx.slots[0], ctx.write0[0]] = s[0]
                 st.conv[ctx.slots[0], ctx.write0[0]] = window[0, :, T:]
             else:
-                st.rec[ctx.slot_t, ctx.write_t] = s
-                st.conv[ctx.slot_t, ctx.write_t] = window[..., T:]
-        o = self.norm(o.to(dt), z)  # [N, T, nv, dv]
+                st.rec_rows.index_copy_(0, wr, s)
+                if ctx.lens_t is None:
+                    conv_end = window[..., T:]  # [N, C, Kc-1]
+                else:  # the window after each row's last real token: window[i, :, lens[i] : lens[i] + Kc-1]
+                    at = ctx.lens_t[:, None, None] + torch.arange(self.kc - 1, device=x.device)  # [N, 1, Kc-1]
+                    conv_end = window.gather(-1, at.expand(N, window.shape[1], self.kc - 1))
+                st.conv_rows.index_copy_(0, wr, conv_end)
+        o = self.norm(_as(o, dt), z)  # [N, T, nv, dv]
         return linear(o.reshape(N, T, self.nv * self.dv), self.out_proj.weight)
 
     def _step_kernels(self, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, w: torch.Tensor,

@@ -35,16 +35,17 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def gdn_recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                       state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                       state: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One token of the gated delta rule.
 
     q, k: [B, H, dk] (l2-normed; q already scaled by dk^-0.5); v: [B, H, dv]; g (log decay <= 0), beta: [B, H];
-    state: [B, H, dk, dv] fp32. All math in fp32. Returns (o [B, H, dv] fp32, new state [B, H, dk, dv]).
+    state: [B, H, dk, dv] fp32. All math in fp32. Returns (o [B, H, dv] fp32, new state [B, H, dk, dv]); the new
+    state is written into `out` [B, H, dk, dv] when given (it may alias `state`'s storage: state is read first).
     """
     s = state * g.exp()[..., None, None]  # [B, H, dk, dv]
     u = (k.unsqueeze(-2) @ s).squeeze(-2)  # [B, H, dv]
     delta = beta[..., None] * (v - u)  # [B, H, dv]
-    s = s + k.unsqueeze(-1) * delta.unsqueeze(-2)  # [B, H, dk, dv]
+    s = torch.add(s, k.unsqueeze(-1) * delta.unsqueeze(-2), out=out)  # [B, H, dk, dv]
     o = (q.unsqueeze(-2) @ s).squeeze(-2)  # [B, H, dv]
     return o, s
 

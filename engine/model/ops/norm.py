@@ -18,14 +18,24 @@ ROWS_PER_PROGRAM = 16 if INTERPRET else 1  # the interpreter pays per program; a
 
 
 def _f(x: torch.Tensor) -> torch.Tensor:
-    return x if x.dtype == torch.float64 else x.float()
+    return x if x.dtype in (torch.float64, torch.float32) else x.float()
+
+
+def _to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return x if x.dtype == dtype else x.to(dtype)
+
+
+def _rms(xf: torch.Tensor, eps: float) -> torch.Tensor:
+    """xf * rsqrt(mean(xf^2) + eps) over the last dim: the ops (and so the bits) of torch's CPU `F.rms_norm`,
+    written out because that function costs ~1.7x these five ops at decode sizes (tests/test_ops_norm_sample.py
+    checks the bits). Row-wise: a row's result does not depend on the other rows."""
+    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
 
 
 def rms_norm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """Twin: x * rsqrt(mean(x^2) + eps) * (1 + w), in fp32 (fp64 for fp64), cast to x's dtype. x [..., H], w [H].
-    torch's fused rms_norm: one row-wise op, so a row's result does not depend on the other rows."""
+    """Twin: x * rsqrt(mean(x^2) + eps) * (1 + w), in fp32 (fp64 for fp64), cast to x's dtype. x [..., H], w [H]."""
     xf = _f(x)
-    return F.rms_norm(xf, (xf.shape[-1],), 1.0 + w.to(xf.dtype), eps).to(x.dtype)
+    return _to(_rms(xf, eps) * (1.0 + _to(w, xf.dtype)), x.dtype)
 
 
 def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor,
@@ -38,9 +48,8 @@ def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor,
 def gated_rms_norm_ref(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """Twin: (w * (x * rsqrt(mean(x^2) + eps)).to(dt)) * silu(z in fp32), cast to dt. x, z [..., D], w [D]."""
     dt = x.dtype
-    xf = _f(x)
-    y = w * F.rms_norm(xf, (xf.shape[-1],), None, eps).to(dt)
-    return (y * F.silu(z.to(torch.float64 if dt == torch.float64 else torch.float32))).to(dt)
+    y = w * _to(_rms(_f(x), eps), dt)
+    return _to(y * F.silu(_to(z, torch.float64 if dt == torch.float64 else torch.float32)), dt)
 
 
 if HAS_TRITON:

@@ -3,7 +3,8 @@
 `Scheduler.step()` is the worker's unit of work: ONE speculative round over every running session
 (`engine.spec.spec_round`: drafts for all rows, one verify forward, one host copy), then prefill chunks of joining
 sessions, up to `max_num_batched_tokens` tokens per step in all (the round's N x (k+1) tokens count first), so a
-long prompt never freezes the running streams for longer than one chunk. A session joins (`add`) once it holds
+long prompt never freezes the running streams for longer than one chunk. The chunks of every session joining in a
+step go through one forward (`engine.spec.prefill_rows`, rows right-padded). A session joins (`add`) once it holds
 a pool slot and leaves between steps; its slot is returned the moment it finishes, fails or is removed.
 
 On CUDA (with triton) the round's forwards replay CUDA graphs (engine/graphs.py `GraphRunner`): the scheduler

@@ -60,8 +60,10 @@ class Server:
     def __init__(self, model: Path, k: int, max_num_seqs: int = 8, device: str = "cpu"):
         self.port = _port()
         env = {**{k_: v for k_, v in os.environ.items() if not k_.startswith("NEXTN_")}, "OMP_NUM_THREADS": "1"}
-        exe = Path(sys.executable).with_name("nextn")
-        self.proc = subprocess.Popen([str(exe), "serve", str(model), "--port", str(self.port), "--device", device,
+        # `nextn serve` from this checkout (no installed entry point needed, e.g. on the device machine)
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        nextn = [sys.executable, "-c", "import sys; from server.cli import main; sys.exit(main())"]
+        self.proc = subprocess.Popen([*nextn, "serve", str(model), "--port", str(self.port), "--device", device,
                                       "--num-speculative-tokens", str(k), "--max-num-seqs", str(max_num_seqs),
                                       "--max-model-len", "1024", "--log-level", "warning"], env=env)
         self.url = f"http://127.0.0.1:{self.port}"

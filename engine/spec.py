@@ -557,9 +557,21 @@ def prefill_rows(model: Qwen35ForCausalLM, rows: list[SpecSession], budgets: lis
     each row's host side as `SpecSession.prefill_chunk` does. Rows are right-padded to the longest chunk: the
     padding's K/V land past the row's length (overwritten later) and its GDN tokens leave the state unchanged
     (`FwdCtx` lens), so each row ends in the state of its own tokens. The caller checks that every row's
-    cache.length + max chunk fits the pool's capacity. A row whose host side fails is failed alone; a failing
-    forward raises (every row is then in doubt). Returns the tokens prefilled per row."""
-    chunks = [r.next_chunk(b) for r, b in zip(rows, budgets)]
+    cache.length + max chunk fits the pool's capacity. A row whose chunk does not fit its cache or whose host side
+    fails is failed alone; a failing forward raises (every row is then in doubt). Returns the tokens prefilled per
+    row (0 for a row failed before the forward)."""
+    done = [0] * len(rows)
+    chunks: list[list[int]] = []
+    live: list[int] = []
+    for i, (r, b) in enumerate(zip(rows, budgets)):
+        try:
+            chunks.append(r.next_chunk(b))
+            live.append(i)
+        except Exception as e:  # noqa: BLE001 - a prompt that does not fit fails its own request
+            r.fail(e)
+    if not live:
+        return done
+    rows = [rows[i] for i in live]
     T = max(len(c) for c in chunks)
     r0 = rows[0]
     x = torch.tensor([c + [0] * (T - len(c)) for c in chunks], device=r0.device)  # [N, T]
@@ -585,7 +597,9 @@ def prefill_rows(model: Qwen35ForCausalLM, rows: list[SpecSession], budgets: lis
             r.choose_first()
         except Exception as e:  # noqa: BLE001 - one row's choice (its grammar) fails that row
             r.fail(e)
-    return [len(c) for c in chunks]
+    for i, c in zip(live, chunks):
+        done[i] = len(c)
+    return done
 
 
 def _flush_mtp_rows(model: Qwen35ForCausalLM, rows: list[SpecSession]) -> None:

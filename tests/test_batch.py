@@ -162,13 +162,19 @@ def test_a_row_failing_in_a_batched_prefill_fails_alone(ckpt):
         def prefilled(self, *args, **kwargs):
             raise RuntimeError("injected")
 
-    sched = Scheduler(model, max_num_seqs=3, max_model_len=128, k=2, max_num_batched_tokens=512)
+    class TooLong(SpecSession):
+        def next_chunk(self, budget):
+            raise ValueError("does not fit")
+
+    sched = Scheduler(model, max_num_seqs=4, max_model_len=128, k=2, max_num_batched_tokens=512)
     good = [SpecSession(model, ps[i], 10, k=2, pool=sched.pool) for i in (0, 3)]
     bad = Failing(model, ps[1], 10, k=2, pool=sched.pool)
-    for s in (good[0], bad, good[1]):
+    long = TooLong(model, ps[4], 10, k=2, pool=sched.pool)
+    for s in (good[0], bad, long, good[1]):
         sched.add(s)
     res = sched.step()
-    assert res.finished == [bad] and isinstance(bad.error, RuntimeError) and sched.pool.num_free == 1
+    assert res.finished == [bad, long] and sched.pool.num_free == 2
+    assert isinstance(bad.error, RuntimeError) and isinstance(long.error, ValueError)
     _run(sched, {})
     assert [s.emitted for s in good] == [generate_spec(model, ps[i], 10, k=0)[0] for i in (0, 3)]
 

@@ -123,23 +123,39 @@ class Scheduler:
             self.joining.remove(sess)
         sess.close()
 
-    def _prefill(self, group: list[SpecSession], chunks: list[int]) -> None:
-        """One chunk of each session's prompt: one batched forward (`prefill_rows`) when there are several and the
-        padding fits every row's slot, else one forward per session. A prompt that fails fails its own request;
-        a failing batched forward fails the sessions of that forward."""
-        T = max(chunks)
-        if len(group) > 1 and all(s.cache.length + T <= self.pool.capacity for s in group):
-            try:
-                prefill_rows(self.model, group, chunks)
-            except Exception as e:  # noqa: BLE001 - the batched part failed: every row of it is in doubt
-                for s in group:
-                    s.fail(e)
-            return
+    def _forwards(self, group: list[SpecSession], chunks: list[int]) -> list[tuple[list[SpecSession], list[int]]]:
+        """Split a step's prefill chunks into forwards, in order: a session joins the previous forward while its
+        padded size (rows x longest chunk) stays within max_num_batched_tokens and every row's slot has room for
+        the padding; otherwise it starts the next one."""
+        out: list[tuple[list[SpecSession], list[int]]] = []
         for s, c in zip(group, chunks):
+            if out:
+                rows, cs = out[-1]
+                T = max(max(cs), c)
+                if (len(rows) + 1) * T <= self.max_num_batched_tokens and \
+                        all(x.cache.length + T <= self.pool.capacity for x in (*rows, s)):
+                    rows.append(s)
+                    cs.append(c)
+                    continue
+            out.append(([s], [c]))
+        return out
+
+    def _prefill(self, group: list[SpecSession], chunks: list[int]) -> None:
+        """One chunk of each session's prompt, in as few forwards as `_forwards` allows (`prefill_rows` for
+        several rows, `SpecSession.prefill_chunk` for one). A prompt that fails fails its own request; a failing
+        batched forward fails the sessions of that forward."""
+        for rows, cs in self._forwards(group, chunks):
+            if len(rows) > 1:
+                try:
+                    prefill_rows(self.model, rows, cs)
+                except Exception as e:  # noqa: BLE001 - the batched part failed: every row of it is in doubt
+                    for s in rows:
+                        s.fail(e)
+                continue
             try:
-                s.prefill_chunk(c)
+                rows[0].prefill_chunk(cs[0])
             except Exception as e:  # noqa: BLE001 - a prompt that fails fails its own request
-                s.fail(e)
+                rows[0].fail(e)
 
     def step(self) -> StepResult:
         """One round for the running sessions, then prefill chunks under the token budget."""

@@ -154,6 +154,27 @@ def test_joining_prompts_prefill_in_one_forward(model):
     assert [r.emitted for r in rows] == [generate_spec(model, ps[i], 12, k=0)[0] for i in which]
 
 
+def test_padding_never_makes_a_prefill_forward_larger_than_the_token_budget(ckpt):
+    """A 60-token chunk and short ones joining together: padding the short ones to 60 would put 4 x 60 tokens
+    through one forward under a 64-token budget, so the long chunk runs alone and the short ones share a forward."""
+    model = load_model(ckpt)
+    V = model.config.vocab_size
+    g = torch.Generator().manual_seed(6)
+    ps = [torch.randint(0, V, (n,), generator=g).tolist() for n in (60, 2, 1, 1)]
+    sched = Scheduler(model, max_num_seqs=4, max_model_len=96, k=2, max_num_batched_tokens=64)
+    rows = [SpecSession(model, p, 6, k=2, pool=sched.pool) for p in ps]
+    shapes = []
+    orig = model.forward_step
+    model.forward_step = lambda ids, ctx, pool: shapes.append(tuple(ids.shape)) or orig(ids, ctx, pool)
+    try:
+        _run(sched, {0: rows})
+    finally:
+        del model.forward_step
+    prefills = shapes[:2]  # the first step: the prompts' forwards (then rounds: verify forwards)
+    assert prefills == [(1, 60), (3, 2)], shapes
+    assert [r.emitted for r in rows] == [generate_spec(model, p, 6, k=0)[0] for p in ps]
+
+
 def test_a_row_failing_in_a_batched_prefill_fails_alone(ckpt):
     model = load_model(ckpt)
     ps = _prompts(model.config.vocab_size)

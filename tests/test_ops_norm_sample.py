@@ -35,6 +35,12 @@ def test_written_out_rms_is_torchs_rms_norm_bit_for_bit(dtype):
             F = torch.nn.functional
             assert_bitwise(nm._rms(x, EPS), F.rms_norm(x, (shape[-1],), None, EPS), f"{shape} x{scale}")
             assert_bitwise(nm.rms_norm_ref(x, w, EPS), F.rms_norm(x, (shape[-1],), 1 + w, EPS), f"{shape} w")
+    # 1 + w is kept per weight version: an in-place edit of the weight is seen, inside inference mode too
+    x, w = rand(3, 64, dtype=dtype, gen=g).cpu(), rand(64, dtype=dtype, gen=g).cpu()
+    for _ in range(2):
+        with torch.inference_mode():
+            assert_bitwise(nm.rms_norm_ref(x, w, EPS), torch.nn.functional.rms_norm(x, (64,), 1 + w, EPS), "edit")
+        w.mul_(-0.5)
 
 
 @needs_triton

@@ -25,17 +25,45 @@ def _to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x if x.dtype == dtype else x.to(dtype)
 
 
+_EPS: dict[tuple, torch.Tensor] = {}  # (eps, dtype, device) -> 0-dim tensor
+
+
+def _eps(eps: float, like: torch.Tensor) -> torch.Tensor:
+    """eps as a 0-dim tensor of like's dtype and device: the same value a Python float takes in the add (it is
+    cast to the tensor's dtype), without wrapping a scalar on every call."""
+    key = (eps, like.dtype, like.device)
+    t = _EPS.get(key)
+    if t is None:
+        with torch.inference_mode(False):  # a normal tensor: usable inside and outside inference mode
+            t = _EPS[key] = torch.tensor(eps, dtype=like.dtype, device=like.device)
+    return t
+
+
+def _one_plus(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """1 + w in `dtype`, kept on the weight (attribute `_nextn_one_plus`) and recomputed when the weight's
+    version, storage or the dtype changes (an in-place edit, `.data =`, a device move)."""
+    if w.is_inference() or w.requires_grad:  # no version counter / a graph to keep: compute it
+        return 1.0 + _to(w, dtype)
+    key = (w._version, w.data_ptr(), dtype)
+    hit = getattr(w, "_nextn_one_plus", None)
+    if hit is None or hit[0] != key:
+        with torch.inference_mode(False):
+            hit = (key, 1.0 + _to(w.detach(), dtype))
+        w._nextn_one_plus = hit
+    return hit[1]
+
+
 def _rms(xf: torch.Tensor, eps: float) -> torch.Tensor:
     """xf * rsqrt(mean(xf^2) + eps) over the last dim: the ops (and so the bits) of torch's CPU `F.rms_norm`,
     written out because that function costs ~1.7x these five ops at decode sizes (tests/test_ops_norm_sample.py
     checks the bits). Row-wise: a row's result does not depend on the other rows."""
-    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + _eps(eps, xf))
 
 
 def rms_norm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """Twin: x * rsqrt(mean(x^2) + eps) * (1 + w), in fp32 (fp64 for fp64), cast to x's dtype. x [..., H], w [H]."""
     xf = _f(x)
-    return _to(_rms(xf, eps) * (1.0 + _to(w, xf.dtype)), x.dtype)
+    return _to(_rms(xf, eps) * _one_plus(w, xf.dtype), x.dtype)
 
 
 def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor,

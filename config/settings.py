@@ -86,6 +86,9 @@ class ServeSettings(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available, else cpu")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="auto = float32 on cpu, the checkpoint's dtype on cuda")
+    cpu_threads: int | None = Field(
+        None, ge=1, description="torch threads on a cpu device (default: OMP_NUM_THREADS when set, else the usable "
+                                "cores minus one, left to the HTTP event loop; at least 1)")
     metrics_compat: Literal["none", "vllm"] = Field(
         "none", description="vllm = also expose vLLM's `vllm:` metric names on /metrics")
     log_level: Literal["debug", "info", "warning", "error", "critical"] = Field("info", description="log level")
@@ -207,12 +210,24 @@ def _one_line(err: ValidationError, values: Mapping[str, Any], source: Mapping[s
     return f"invalid value {shown} for {source[key]}: {msg}{more}"
 
 
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, else the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def resolve(settings: ServeSettings, *, cuda_available: bool, max_position_embeddings: int,
-            has_mtp: bool) -> tuple[ServeSettings, list[tuple[int, str]]]:
+            has_mtp: bool, cores: int | None = None,
+            environ: Mapping[str, str] | None = None) -> tuple[ServeSettings, list[tuple[int, str]]]:
     """Replace the automatic values by concrete ones, from the machine and the checkpoint's config.
 
     device auto -> cuda when available, else cpu; dtype auto -> float32 on cpu (on cuda it stays auto:
-    the checkpoint's dtype); served_model_name -> MODEL_DIR's name; max_model_len ->
+    the checkpoint's dtype); cpu_threads on cpu -> OMP_NUM_THREADS when set, else `cores` (default: the usable
+    cores) minus one, at least 1: the event loop shares the process, and torch's default of every core makes a
+    small model's steps wait on spinning OpenMP threads (bench/RESULTS.md: one client 308 tokens/s with 2
+    threads vs 776 with 1 on a 2-core box); served_model_name -> MODEL_DIR's name; max_model_len ->
     min(max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP); K -> 0 when the checkpoint has no MTP
     weights. Returns the new settings and one (log level, message) note per automatic choice, for the
     caller to log once everything is valid. Raises `SettingsError` for ``--device cuda`` without CUDA
@@ -233,6 +248,13 @@ def resolve(settings: ServeSettings, *, cuda_available: bool, max_position_embed
         raise SettingsError("--device cuda was requested but CUDA is not available")
     if settings.dtype == "auto" and device == "cpu":
         choose("dtype", "float32", "cpu")
+    if device == "cpu" and settings.cpu_threads is None:
+        omp = (os.environ if environ is None else environ).get("OMP_NUM_THREADS", "").strip()
+        if omp.isdigit() and int(omp) >= 1:
+            choose("cpu_threads", int(omp), "OMP_NUM_THREADS")
+        else:
+            n = usable_cores() if cores is None else cores
+            choose("cpu_threads", max(1, n - 1), f"{n} usable core(s), one left to the HTTP event loop")
     if settings.served_model_name is None:
         choose("served_model_name", settings.model_dir.resolve().name, "model directory name")
     if settings.max_model_len is None:

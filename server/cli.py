@@ -127,6 +127,8 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for level, note in notes:
         log.log(level, "%s", note)
+    if settings.device == "cpu" and settings.cpu_threads is not None:
+        torch.set_num_threads(settings.cpu_threads)
     dtype = None if settings.dtype == "auto" else settings.dtype
     try:
         model = load_model(settings.model_dir, device=settings.device, dtype=dtype, progress=True)

@@ -82,17 +82,24 @@ def test_bad_values_raise_one_line(tmp_path, cli, env, toml, needle):
 
 def test_auto_values_are_resolved_with_notes(tmp_path):
     s = ServeSettings(model_dir=tmp_path)
-    r, notes = resolve(s, cuda_available=False, max_position_embeddings=262144, has_mtp=False)
+    r, notes = resolve(s, cuda_available=False, max_position_embeddings=262144, has_mtp=False, cores=4, environ={})
     assert (r.device, r.dtype, r.served_model_name, r.max_model_len) == ("cpu", "float32", tmp_path.name, 4096)
-    assert r.num_speculative_tokens == 0
+    assert r.num_speculative_tokens == 0 and r.cpu_threads == 3
     text = "\n".join(msg for _, msg in notes)
     assert all(w in text for w in ("device auto -> cpu", "dtype auto -> float32", "served_model_name None -> ",
-                                   "max_model_len None -> 4096", "num_speculative_tokens 3 -> 0"))
+                                   "max_model_len None -> 4096", "num_speculative_tokens 3 -> 0",
+                                   "cpu_threads None -> 3 (4 usable core(s)"))
     assert notes[-1][0] == logging.WARNING
+    # threads: OMP_NUM_THREADS wins over the core count; one core still gets one thread; cuda leaves torch's
+    for env, cores, want in (({"OMP_NUM_THREADS": "5"}, 4, 5), ({}, 1, 1), ({"OMP_NUM_THREADS": "x"}, 2, 1)):
+        assert resolve(s, cuda_available=False, max_position_embeddings=4096, has_mtp=True, cores=cores,
+                       environ=env)[0].cpu_threads == want
+    assert resolve(s, cuda_available=True, max_position_embeddings=4096, has_mtp=True, cores=8,
+                   environ={})[0].cpu_threads is None
     r, notes = resolve(ServeSettings(model_dir=tmp_path, device="cpu", dtype="bfloat16", served_model_name="x",
-                                     max_model_len=100), cuda_available=False, max_position_embeddings=4096,
-                       has_mtp=True)
-    assert notes == [] and r.num_speculative_tokens == 3
+                                     max_model_len=100, cpu_threads=2), cuda_available=False,
+                       max_position_embeddings=4096, has_mtp=True)
+    assert notes == [] and r.num_speculative_tokens == 3 and r.cpu_threads == 2
     with pytest.raises(SettingsError):
         resolve(ServeSettings(model_dir=tmp_path, device="cuda"), cuda_available=False,
                 max_position_embeddings=4096, has_mtp=True)

@@ -602,6 +602,20 @@ def prefill_rows(model: Qwen35ForCausalLM, rows: list[SpecSession], budgets: lis
     return done
 
 
+def _queued_mtp_rows(rows: list[SpecSession]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Every row's queued MTP rows, right-padded to the longest queue: tokens [A, Tm] long (padding 0), carrier
+    hiddens [A, Tm, H] (padding zeros), and each row's queue length."""
+    n = [len(r._mtp_tokens) for r in rows]
+    Tm, r0 = max(n), rows[0]
+    toks = torch.tensor([r._mtp_tokens + [0] * (Tm - k) for r, k in zip(rows, n)], device=r0.device)  # [A, Tm]
+    if min(n) == Tm:
+        return toks, torch.stack([r._mtp_hidden for r in rows]), n
+    hid = torch.zeros(len(rows), Tm, r0._mtp_hidden.shape[-1], dtype=r0.dtype, device=r0.device)
+    for a, r in enumerate(rows):
+        hid[a, :n[a]] = r._mtp_hidden
+    return toks, hid, n
+
+
 def _flush_mtp_rows(model: Qwen35ForCausalLM, rows: list[SpecSession]) -> None:
     """Write every row's queued MTP rows (prefill) into its scratch in ONE head forward, rows right-padded (the
     padding's K/V land past each row's scratch length and are overwritten later)."""
@@ -610,16 +624,10 @@ def _flush_mtp_rows(model: Qwen35ForCausalLM, rows: list[SpecSession]) -> None:
         for r in rows:
             r._flush_mtp()
         return
-    n = [len(r._mtp_tokens) for r in rows]
-    Tm, H = max(n), model.config.hidden_size
-    r0 = rows[0]
-    toks = torch.tensor([r._mtp_tokens + [0] * (Tm - k) for r, k in zip(rows, n)], device=r0.device)  # [A, Tm]
-    hid = torch.zeros(len(rows), Tm, H, dtype=r0.dtype, device=r0.device)
-    for a, r in enumerate(rows):
-        hid[a, :n[a]] = r._mtp_hidden
-    sc = [r.scratch for r in rows]
+    toks, hid, n = _queued_mtp_rows(rows)  # [A, Tm], [A, Tm, H]
+    r0, sc = rows[0], [r.scratch for r in rows]
     ctx = FwdCtx.make(model.config, r0.device, r0.dtype, [s.slot for s in sc], [s.length for s in sc],
-                      [0] * len(rows), [0] * len(rows), Tm, False)
+                      [0] * len(rows), [0] * len(rows), toks.shape[1], False)
     model.mtp_forward(toks, hid, ctx, r0.pool.mtp)  # [A, Tm, H]: only the K/V it writes is used
     for r, k in zip(rows, n):
         r.scratch.set_len(r.scratch.length + k)
@@ -651,7 +659,7 @@ def _draft(model: Qwen35ForCausalLM, rows: list[SpecSession], ks: list[int],
     Returns drafts [N, max ks] (long, -1 where a row drafts nothing: fewer wanted, p-min cut, constraint) and the
     q rows of sampled rows (qs[i][j])."""
     N, K = len(rows), max(ks)
-    dev, dt = rows[0].device, rows[0].dtype
+    dev = rows[0].device
     drafts = torch.full((N, K), -1, dtype=torch.long, device=dev)
     qs: list[list] = [[None] * K for _ in rows]
     act = [i for i in range(N) if ks[i] > 0]
@@ -659,16 +667,7 @@ def _draft(model: Qwen35ForCausalLM, rows: list[SpecSession], ks: list[int],
         return drafts, qs
     pool = rows[0].pool
     # depth 0: each row writes its queued committed rows (1..k+1 of them, padded) and drafts from the last one
-    qlen = [len(rows[i]._mtp_tokens) for i in act]
-    Tq = max(qlen)
-    H = model.config.hidden_size
-    toks = torch.tensor([rows[i]._mtp_tokens + [0] * (Tq - q) for i, q in zip(act, qlen)], device=dev)  # [A, Tq]
-    if min(qlen) == Tq:
-        hid = torch.cat([rows[i]._mtp_hidden[None] for i in act])  # [A, Tq, H]
-    else:
-        hid = torch.zeros(len(act), Tq, H, dtype=dt, device=dev)
-        for a, i in enumerate(act):
-            hid[a, :qlen[a]] = rows[i]._mtp_hidden
+    toks, hid, qlen = _queued_mtp_rows([rows[i] for i in act])  # [A, Tq], [A, Tq, H]
     sc_pos = [rows[i].scratch.length for i in act]
     h, lg = runner.draft(model, pool, toks, hid, [rows[i].slot for i in act], sc_pos,
                          [q - 1 for q in qlen])  # [A, 1, H], [A, V]

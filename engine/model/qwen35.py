@@ -37,6 +37,7 @@ from .config import Qwen35Config
 from .moe import MLP, SparseMoeBlock
 from .ops import dispatch as ops
 from .ops.gdn import causal_conv_window, gdn_chunked, gdn_recurrent_step, l2norm
+from .ops.norm import as_dtype
 
 if TYPE_CHECKING:
     from ..cache import GdnPool, KVPool, ModelCache, StatePool
@@ -64,11 +65,6 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         return ops.gated_rms_norm(x, z, self.weight, self.eps)
-
-
-def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x in `dtype` (x itself when it already is: a no-op `.to` still costs a dispatch per call)."""
-    return x if x.dtype == dtype else x.to(dtype)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -153,6 +149,7 @@ class FwdCtx:
     kernels: bool = False  # a `from_tensors` step context: attention and GDN run as kernels over the pool
     _masks: torch.Tensor | None = None  # [N, T, max S] bool, built by the first `causal_mask` call
     _flat: dict | None = None  # (width, what) -> flat pool-row indices, built by the first `flat` call
+    _consecutive: bool | None = None  # the rows' slots are consecutive and ascending (set by the first `rows` call)
     lens: list[int] | None = None  # record=False, N rows: each row's real token count (None: all T)
     lens_t: torch.Tensor | None = None  # [N] long, when lens is set
 
@@ -201,9 +198,11 @@ class FwdCtx:
         [N, S, ...]; a view when the slots are consecutive and ascending (the usual case: slots are handed out
         in order), else a gather."""
         assert self.slots is not None and self.slot_t is not None
-        lo = self.slots[0]
-        if self.slots == list(range(lo, lo + len(self.slots))):
-            return pool[lo:lo + len(self.slots), :S]
+        if self._consecutive is None:  # decided once per forward, for all of its attention layers
+            lo = self.slots[0]
+            self._consecutive = self.slots == list(range(lo, lo + len(self.slots)))
+        if self._consecutive:
+            return pool[self.slots[0]:self.slots[0] + len(self.slots), :S]
         return pool[:, :S].index_select(0, self.slot_t)
 
     def flat(self, width: int, what: str) -> torch.Tensor:
@@ -382,12 +381,12 @@ class GatedDeltaNet(nn.Module):
         y, window = causal_conv_window(qkv.transpose(1, 2), conv_state, w)  # [N, C, T], [N, C, Kc-1+T]
         y = y.transpose(1, 2)  # [N, T, C]
         Kd = self.nk * self.dk
-        qk = l2norm(_as(y[..., :2 * Kd].reshape(N, T, 2 * self.nk, self.dk), sdt))  # q and k heads in one pass
+        qk = l2norm(as_dtype(y[..., :2 * Kd].reshape(N, T, 2 * self.nk, self.dk), sdt))  # q and k heads in one pass
         q, k = qk[:, :, :self.nk] * (self.dk ** -0.5), qk[:, :, self.nk:]
-        v = _as(y[..., 2 * Kd:].reshape(N, T, self.nv, self.dv), sdt)
-        beta = _as(torch.sigmoid(b), sdt)
+        v = as_dtype(y[..., 2 * Kd:].reshape(N, T, self.nv, self.dv), sdt)
+        beta = as_dtype(torch.sigmoid(b), sdt)
         neg_a, dt_bias = self._decay_consts()
-        g = neg_a * F.softplus(_as(a, sdt) + dt_bias)  # [N, T, nv] log decay
+        g = neg_a * F.softplus(as_dtype(a, sdt) + dt_bias)  # [N, T, nv] log decay
         if live and ctx.lens_t is not None:  # right padding: its tokens keep the state (decay 1, beta 0)
             real = (torch.arange(T, device=x.device) < ctx.lens_t[:, None])[..., None]  # [N, T, 1]
             g, beta = g.where(real, 0.0), beta.where(real, 0.0)
@@ -438,7 +437,7 @@ class GatedDeltaNet(nn.Module):
                     at = ctx.lens_t[:, None, None] + torch.arange(self.kc - 1, device=x.device)  # [N, 1, Kc-1]
                     conv_end = window.gather(-1, at.expand(N, window.shape[1], self.kc - 1))
                 st.conv_rows.index_copy_(0, wr, conv_end)
-        o = self.norm(_as(o, dt), z)  # [N, T, nv, dv]
+        o = self.norm(as_dtype(o, dt), z)  # [N, T, nv, dv]
         return linear(o.reshape(N, T, self.nv * self.dv), self.out_proj.weight)
 
     def _step_kernels(self, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, w: torch.Tensor,

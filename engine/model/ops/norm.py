@@ -21,8 +21,10 @@ def _f(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype in (torch.float64, torch.float32) else x.float()
 
 
-def _to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in `dtype` (x itself when it already is: a no-op `.to` still costs a dispatch per call)."""
     return x if x.dtype == dtype else x.to(dtype)
+
 
 
 _EPS: dict[tuple, torch.Tensor] = {}  # (eps, dtype, device) -> 0-dim tensor
@@ -43,12 +45,12 @@ def _one_plus(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """1 + w in `dtype`, kept on the weight (attribute `_nextn_one_plus`) and recomputed when the weight's
     version, storage or the dtype changes (an in-place edit, `.data =`, a device move)."""
     if w.is_inference() or w.requires_grad:  # no version counter / a graph to keep: compute it
-        return 1.0 + _to(w, dtype)
+        return 1.0 + as_dtype(w, dtype)
     key = (w._version, w.data_ptr(), dtype)
     hit = getattr(w, "_nextn_one_plus", None)
     if hit is None or hit[0] != key:
         with torch.inference_mode(False):
-            hit = (key, 1.0 + _to(w.detach(), dtype))
+            hit = (key, 1.0 + as_dtype(w.detach(), dtype))
         w._nextn_one_plus = hit
     return hit[1]
 
@@ -63,7 +65,7 @@ def _rms(xf: torch.Tensor, eps: float) -> torch.Tensor:
 def rms_norm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """Twin: x * rsqrt(mean(x^2) + eps) * (1 + w), in fp32 (fp64 for fp64), cast to x's dtype. x [..., H], w [H]."""
     xf = _f(x)
-    return _to(_rms(xf, eps) * _one_plus(w, xf.dtype), x.dtype)
+    return as_dtype(_rms(xf, eps) * _one_plus(w, xf.dtype), x.dtype)
 
 
 def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor,
@@ -76,8 +78,8 @@ def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor,
 def gated_rms_norm_ref(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """Twin: (w * (x * rsqrt(mean(x^2) + eps)).to(dt)) * silu(z in fp32), cast to dt. x, z [..., D], w [D]."""
     dt = x.dtype
-    y = w * _to(_rms(_f(x), eps), dt)
-    return _to(y * F.silu(_to(z, torch.float64 if dt == torch.float64 else torch.float32)), dt)
+    y = w * as_dtype(_rms(_f(x), eps), dt)
+    return as_dtype(y * F.silu(as_dtype(z, torch.float64 if dt == torch.float64 else torch.float32)), dt)
 
 
 if HAS_TRITON:

@@ -89,6 +89,10 @@ class ServeSettings(BaseModel):
     cpu_threads: int | None = Field(
         None, ge=1, description="torch threads on a cpu device (default: OMP_NUM_THREADS when set, else the usable "
                                 "cores minus one, left to the HTTP event loop; at least 1)")
+    engine_process: bool = Field(
+        True, description="run the engine (model, scheduler) in its own process, so the HTTP event loop's work "
+                          "never waits on the engine's GIL nor the engine on the loop's (--no-engine-process: one "
+                          "process)")
     metrics_compat: Literal["none", "vllm"] = Field(
         "none", description="vllm = also expose vLLM's `vllm:` metric names on /metrics")
     log_level: Literal["debug", "info", "warning", "error", "critical"] = Field("info", description="log level")
@@ -229,7 +233,7 @@ def resolve(settings: ServeSettings, *, cuda_available: bool, max_position_embed
     small model's steps wait on spinning OpenMP threads (bench/RESULTS.md: one client 308 tokens/s with 2
     threads vs 776 with 1 on a 2-core box); served_model_name -> MODEL_DIR's name; max_model_len ->
     min(max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP); K -> 0 when the checkpoint has no MTP
-    weights. Returns the new settings and one (log level, message) note per automatic choice, for the
+    weights; engine_process -> False when the research door is armed. Returns the new settings and one (log level, message) note per automatic choice, for the
     caller to log once everything is valid. Raises `SettingsError` for ``--device cuda`` without CUDA
     or a max_model_len above max_position_embeddings.
     """
@@ -265,4 +269,7 @@ def resolve(settings: ServeSettings, *, cuda_available: bool, max_position_embed
                             f"max_position_embeddings ({max_position_embeddings})")
     if settings.num_speculative_tokens > 0 and not has_mtp:
         choose("num_speculative_tokens", 0, "the checkpoint has no MTP weights: plain decode", logging.WARNING)
+    if settings.engine_process and settings.research_opti_controller_q is not None:
+        choose("engine_process", False, "the research door's controller and counters live in the serving process",
+               logging.WARNING)
     return settings.model_copy(update=update), notes

@@ -59,7 +59,7 @@ class GuidanceConstraint:
         tok = grammar.tokenizer
         if reasoning and tok.think_end_id is None:
             raise ValueError("reasoning=True needs a </think> token in the vocabulary")
-        self.grammar = grammar
+        self.grammar, self.reasoning = grammar, reasoning  # what an engine process rebuilds it from
         self._m = grammar.matcher.deep_copy()
         self._eos, self._think, self._newlines, self._n_vocab = tok.eos_ids, tok.think_end_id, tok.newline_ids, tok.n_vocab
         self._words = (self._n_vocab + 31) // 32

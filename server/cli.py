@@ -130,42 +130,65 @@ def serve(args: argparse.Namespace) -> int:
     if settings.device == "cpu" and settings.cpu_threads is not None:
         torch.set_num_threads(settings.cpu_threads)
     dtype = None if settings.dtype == "auto" else settings.dtype
-    try:
-        model = load_model(settings.model_dir, device=settings.device, dtype=dtype, progress=True)
+    try:  # with an engine process, the model is loaded there (the same loader; its errors come back as one line)
+        model = None if settings.engine_process else load_model(settings.model_dir, device=settings.device,
+                                                                dtype=dtype, progress=True)
         tokenizer = Tokenizer.from_dir(settings.model_dir)
     except (ConfigError, CheckpointError, ValueError, OSError) as e:
         return _fail(1, f"cannot load {settings.model_dir}: {e}")
     from engine.scheduler import PoolTooLarge
+    from server.engine_proc import EngineStartError
 
     try:
         return run_server(settings, model, tokenizer)
-    except PoolTooLarge as e:
+    except (PoolTooLarge, EngineStartError) as e:
         return _fail(1, str(e))
 
 
 def build_server(settings: ServeSettings, model: Any, tokenizer: Any, **worker_kw: Any) -> NextnServer:
     """Wire metrics, worker, serving classes and app for resolved `settings`; the worker is started.
-    `worker_kw` is passed to `Worker` (tests inject a `session_factory`)."""
+    With settings.engine_process the worker is an `EngineProcess` that loads the model itself (`model` may be
+    None; raises `EngineStartError` / its PoolTooLarge line when it cannot start), else an in-process `Worker`
+    over `model`. `worker_kw` is passed to either (tests inject a `session_factory`; a module-level one for the
+    engine process)."""
+    from engine.loader import load_config
     from metrics.prometheus import ServingMetrics
     from server.app import build_app
     from server.serving import ServingChat, ServingCompletion
     from server.structured import StructuredOutputs
-    from server.worker import Worker
 
     assert settings.served_model_name is not None and settings.max_model_len is not None, "resolve settings first"
     k = settings.num_speculative_tokens
     metrics = ServingMetrics(settings.served_model_name, num_spec_tokens=k,
                              compat_vllm=settings.metrics_compat == "vllm",
                              optipipe_stats=arm_research_door(settings.research_opti_controller_q, k))
-    worker = Worker(model, metrics, k=k, p_min=settings.spec_draft_p_min, capmax=settings.spec_capmax,
-                    max_num_seqs=settings.max_num_seqs, max_queue=settings.max_queue,
-                    max_model_len=settings.max_model_len, max_num_batched_tokens=settings.max_num_batched_tokens,
-                    **worker_kw)
-    structured = StructuredOutputs(tokenizer, n_vocab=model.config.vocab_size, metrics=metrics,
+    cfg = model.config if model is not None else load_config(settings.model_dir)
+    worker: Any
+    if settings.engine_process:
+        from server.engine_proc import EngineProcess, EngineSetup
+
+        setup = EngineSetup(settings.model_dir, settings.device, None if settings.dtype == "auto" else settings.dtype,
+                            settings.cpu_threads, settings.log_level, k, settings.spec_draft_p_min,
+                            settings.spec_capmax, settings.max_num_seqs, settings.max_model_len,
+                            settings.max_num_batched_tokens, settings.grammar_max_bytes,
+                            settings.grammar_compile_timeout, settings.grammar_cache_size, **worker_kw)
+        worker = EngineProcess(setup, metrics, max_queue=settings.max_queue, max_num_seqs=settings.max_num_seqs)
+        worker.start()  # the child loads the model and reserves its pool; raises when it cannot
+        dtype = worker.dtype
+    else:
+        from server.worker import Worker
+
+        worker = Worker(model, metrics, k=k, p_min=settings.spec_draft_p_min, capmax=settings.spec_capmax,
+                        max_num_seqs=settings.max_num_seqs, max_queue=settings.max_queue,
+                        max_model_len=settings.max_model_len, max_num_batched_tokens=settings.max_num_batched_tokens,
+                        **worker_kw)
+        worker.start()
+        dtype = str(cfg.dtype).removeprefix("torch.")
+    structured = StructuredOutputs(tokenizer, n_vocab=cfg.vocab_size, metrics=metrics,
                                    max_bytes=settings.grammar_max_bytes, timeout_s=settings.grammar_compile_timeout,
                                    cache_size=settings.grammar_cache_size)
     common: dict[str, Any] = dict(tokenizer=tokenizer, worker=worker, model_name=settings.served_model_name,
-                                  max_model_len=settings.max_model_len, vocab_size=model.config.vocab_size, k=k,
+                                  max_model_len=settings.max_model_len, vocab_size=cfg.vocab_size, k=k,
                                   structured=structured)
     chat = ServingChat(special_tokens_in_content=settings.allow_special_tokens_in_content, **common)
     api_key = settings.api_key.get_secret_value() if settings.api_key is not None else None
@@ -175,9 +198,8 @@ def build_server(settings: ServeSettings, model: Any, tokenizer: Any, **worker_k
     protocol = guarded_h11(timeout_header=settings.timeout_header, max_connections=settings.max_connections)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, log_level=settings.log_level,
                             http=protocol, timeout_keep_alive=settings.timeout_keep_alive)
-    worker.start()
     structured.start()  # the grammar tokenizer is built in the background (seconds at the real vocabulary)
-    return NextnServer(config, worker, settings, dtype=str(model.config.dtype).removeprefix("torch."))
+    return NextnServer(config, worker, settings, dtype=dtype)
 
 
 def arm_research_door(q: float | None, k: int) -> Callable[[], Any] | None:

@@ -88,12 +88,15 @@ class Job:
     telem: SpecTelemetry = field(default_factory=SpecTelemetry)
     cancel_reason: str | None = None
     done: bool = False  # the final event was published
+    on_cancel: Callable[[Job], None] | None = None  # set by a worker that must be told (the engine process)
 
     def cancel(self, reason: str = "abort") -> None:
         """Ask the worker to drop this job; `reason` ("stop" for a stop string, "abort" for a client that
         left) is what metrics record. The job still gets a final `done` event."""
         if self.cancel_reason is None:
             self.cancel_reason = reason
+            if self.on_cancel is not None:
+                self.on_cancel(self)
 
     def publish(self, event: JobEvent) -> None:
         """Hand `event` to the event loop now (thread-safe), bypassing the worker's `_Outbox`: the outer guard
@@ -138,6 +141,10 @@ class _Outbox:
         for job, ev in pairs:
             job.events.put_nowait(ev)
 
+    def flush(self) -> None:
+        """End of a worker iteration (nothing to do here: `send` already scheduled the delivery; the engine
+        process's relay sends its buffered message now)."""
+
 
 @dataclass(eq=False)
 class _Active:
@@ -150,7 +157,24 @@ class _Active:
 SessionFactory = Callable[..., SpecSession]
 
 
-class Worker:
+class Drainable:
+    """The drain switch both workers share (`Worker`, `server.engine_proc.EngineProcess`); `_cv` guards it."""
+
+    _cv: threading.Condition
+    _draining: bool
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def begin_drain(self) -> None:
+        """Stop admitting new submissions; queued and active jobs still run to completion."""
+        with self._cv:
+            self._draining = True
+            self._cv.notify_all()
+
+
+class Worker(Drainable):
     """Owns the model; `submit` from the event loop, everything else happens on the worker thread.
 
     `session_factory` builds a session with `SpecSession`'s signature (tests subclass it to inject failures).
@@ -158,7 +182,7 @@ class Worker:
 
     def __init__(self, model: Any, metrics: ServingMetrics, *, k: int, p_min: float, capmax: int,
                  max_num_seqs: int, max_queue: int, max_model_len: int, max_num_batched_tokens: int,
-                 session_factory: SessionFactory = SpecSession) -> None:
+                 session_factory: SessionFactory = SpecSession, outbox: Any = None) -> None:
         self.model = model
         self.metrics = metrics
         self.k, self.p_min, self.capmax = k, p_min, capmax
@@ -176,7 +200,8 @@ class Worker:
         self._busy = False  # the worker holds jobs outside the two queues (admitting or stepping)
         self._limbo: list[Job] = []  # jobs taken off the queues and not yet placed (failed with the loop)
         self._failed = False  # the loop died: /health and /ready report it, submit refuses
-        self._outbox = _Outbox()  # a step's events reach the event loop in one hand-off
+        # a step's events reach the event loop in one hand-off (the engine process passes its pipe relay)
+        self._outbox = _Outbox() if outbox is None else outbox
         self._thread = threading.Thread(target=self._run, name="nextn-worker", daemon=True)
 
     # -- event-loop side -----------------------------------------------------------------------------
@@ -211,14 +236,9 @@ class Worker:
         """The loop is running (False once it died or stopped)."""
         return self._thread.is_alive() and not self._failed
 
-    @property
-    def draining(self) -> bool:
-        return self._draining
-
-    def begin_drain(self) -> None:
-        """Stop admitting new submissions; queued and active jobs still run to completion."""
+    def wake(self) -> None:
+        """Make an idle loop look at its jobs again (a cancel of a queued job from another thread)."""
         with self._cv:
-            self._draining = True
             self._cv.notify_all()
 
     def wait_idle(self, timeout: float | None = None) -> bool:
@@ -276,12 +296,14 @@ class Worker:
                 self.metrics.set_running(len(self._active))
                 self.metrics.set_waiting(len(self._waiting))
                 self._cv.notify_all()  # wait_idle
+            self._outbox.flush()
         for a in list(self._active.values()):
             self.scheduler.remove(a.sess)
             self._finish(a.job, "abort")
         self._active.clear()
         while self._waiting:
             self._finish(self._waiting.popleft(), "abort")
+        self._outbox.flush()
 
     def _fail_all(self, err: BaseException) -> None:
         """The loop died: refuse new work and give every job it held or queued an error `done` event."""

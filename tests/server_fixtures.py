@@ -79,7 +79,8 @@ def http_ready(base: str) -> bool:
 class ServerThread:
     """A real nextn server (uvicorn + worker) on 127.0.0.1 in a background thread; a context manager.
 
-    `settings` override `ServeSettings` fields; `worker_kw` go to `Worker` (e.g. `session_factory`);
+    `settings` override `ServeSettings` fields; `worker_kw` go to `Worker` (e.g. `session_factory`); the worker
+    runs in this process (engine_process=False) unless a test asks for the engine process;
     `tokenizer` replaces the tiny checkpoint's (tests wrap it to block or fail on cue); `demo` serves the
     bundled demo model instead of the tiny random one.
     """
@@ -89,7 +90,7 @@ class ServerThread:
         model, tok = demo_model_and_tokenizer() if demo else tiny_model_and_tokenizer()
         tok = tokenizer if tokenizer is not None else tok
         s = ServeSettings(**{"model_dir": DEMO_DIR if demo else tiny_checkpoint(), "port": free_port(), "device": "cpu",
-                             "dtype": "float32", "log_level": "warning", **settings})
+                             "dtype": "float32", "log_level": "warning", "engine_process": False, **settings})
         self.settings, _ = resolve(s, cuda_available=False, has_mtp=model.config.has_mtp,
                                    max_position_embeddings=model.config.max_position_embeddings)
         self.server: NextnServer = build_server(self.settings, model, tok, **(worker_kw or {}))

@@ -1,0 +1,455 @@
+"""The engine in its own process (`--engine-process`, the default of `nextn serve`), as vLLM's engine core.
+
+Why: torch releases the GIL around every op and takes it back after, so in one process the HTTP event loop's
+per-chunk Python (detokenizing, building and sending each SSE chunk) runs between the worker's ops and the
+worker waits for it: each streamed chunk lengthens the round. In a child process the engine has a GIL of its own.
+
+The child (`_engine_main`) loads the model and runs the same `Worker` (thread) as the in-process server, with
+two differences: its jobs' events go to a pipe instead of an event loop (`_Relay`, ONE message per worker
+iteration: the events and the metrics calls of that iteration), and its metrics calls are replayed by the
+parent on the served `ServingMetrics`. Grammar-constrained jobs travel as their grammar source; the child
+compiles them again with its own compiler (cached) and builds the constraint there.
+
+The parent (`EngineProcess`) has `Worker`'s interface for the serving layer: `submit` sends job specs, a
+`Job.cancel` sends a cancel, a reader thread turns the child's messages into each job's events on its event
+loop (the same `_Outbox` hand-off). If the child exits (a crash, the OOM killer), every job it held gets an
+error `done` event, /health turns 503 and `submit` refuses: no client waits on a dead engine.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import multiprocessing
+import pickle
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from server.worker import Drainable, Job, JobEvent, QueueFull, Unavailable, _Outbox
+
+log = logging.getLogger("nextn.engine")
+
+#: seconds the child may take to import torch, load the model and reserve its state pool
+START_TIMEOUT_S = 600.0
+
+
+class EngineStartError(RuntimeError):
+    """The engine process could not start; `str(err)` is one line (PoolTooLarge's message when the pool does
+    not fit)."""
+
+
+@dataclass(frozen=True)
+class EngineSetup:
+    """Everything the child needs to build the same worker the in-process server would (picklable)."""
+
+    model_dir: Path
+    device: str
+    dtype: str | None  # None: the checkpoint's / the device's default
+    cpu_threads: int | None
+    log_level: str
+    k: int
+    p_min: float
+    capmax: int
+    max_num_seqs: int
+    max_model_len: int
+    max_num_batched_tokens: int
+    grammar_max_bytes: int
+    grammar_timeout_s: float
+    grammar_cache_size: int
+    session_factory: Callable[..., Any] | None = None  # tests inject failures (a module-level callable)
+
+
+@dataclass(frozen=True)
+class _JobSpec:
+    """A parent `Job`'s inputs, as the child rebuilds it."""
+
+    key: int
+    index: int
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: Any
+    eos_ids: list[int]
+    logprobs: int | None
+    prompt_logprobs: int | None
+    grammar: Any  # GrammarSource, or None
+    reasoning: bool
+    arrival_age: float  # seconds the job had waited when it was sent (queue-time metric)
+
+
+# -- child ----------------------------------------------------------------------------------------------
+
+
+class _RelayMetrics:
+    """The child's stand-in for `ServingMetrics`: records the worker's calls for the parent to replay."""
+
+    _CALLS = ("observe_queue_time", "observe_ttft", "observe_itl", "add_spec", "set_running", "set_waiting")
+
+    def __init__(self, relay: _Relay) -> None:
+        for name in self._CALLS:
+            setattr(self, name, (lambda n: lambda *a: relay.metric(n, a))(name))
+
+
+class _Relay:
+    """The child's outbox: the worker's events and metrics calls, buffered and sent as one pipe message per
+    worker iteration (`flush`). Thread-safe (the worker thread and the command thread both send)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._lock = threading.Lock()
+        self._events: list[tuple[int, JobEvent]] = []
+        self._ops: list[tuple[str, tuple]] = []
+        self.metrics = _RelayMetrics(self)
+
+    def metric(self, name: str, args: tuple) -> None:
+        with self._lock:
+            self._ops.append((name, args))
+
+    def send(self, pairs: Sequence[tuple[Job, JobEvent]]) -> None:
+        with self._lock:
+            self._events.extend((job.key, _portable(ev)) for job, ev in pairs)  # type: ignore[attr-defined]
+
+    def flush(self) -> None:
+        with self._lock:
+            if not (self._events or self._ops):
+                return
+            msg = ("out", self._events, self._ops)
+            self._events, self._ops = [], []
+            with contextlib.suppress(OSError):  # the parent is gone: nobody is listening any more
+                self._conn.send(msg)
+
+
+def _portable(ev: JobEvent) -> JobEvent:
+    """`ev` with an error the parent can unpickle (else a RuntimeError naming it)."""
+    if ev.error is None:
+        return ev
+    try:
+        pickle.loads(pickle.dumps(ev.error))
+        return ev
+    except Exception:  # noqa: BLE001 - any exception type may fail to pickle
+        ev.error = RuntimeError(f"{type(ev.error).__name__}: {ev.error}")
+        return ev
+
+
+class _ChildJob(Job):
+    """A job inside the engine process: `key` names it to the parent; its events go to the relay."""
+
+    key: int
+    relay: _Relay
+
+    def publish(self, event: JobEvent) -> None:  # the worker's failure path: hand it over now
+        self.relay.send([(self, event)])
+        self.relay.flush()
+
+
+class _ChildGrammar:
+    """The child's grammar compiler (the served tokenizer's, built in a background thread at start)."""
+
+    def __init__(self, setup: EngineSetup, n_vocab: int) -> None:
+        self._ready = threading.Event()
+        self._compiler: Any = None
+        self._error: BaseException | None = None
+        threading.Thread(target=self._build, args=(setup, n_vocab), name="nextn-engine-grammar", daemon=True).start()
+
+    def _build(self, setup: EngineSetup, n_vocab: int) -> None:
+        try:
+            from engine.tokenizer import Tokenizer
+            from grammar import GrammarCompiler, GuidanceTokenizer
+
+            gtok = GuidanceTokenizer.from_tokenizer(Tokenizer.from_dir(setup.model_dir), n_vocab=n_vocab)
+            self._compiler = GrammarCompiler(gtok, max_bytes=setup.grammar_max_bytes, timeout_s=setup.grammar_timeout_s,
+                                             cache_size=setup.grammar_cache_size)
+        except BaseException as e:  # noqa: BLE001 - reported to each grammar job instead
+            self._error = e
+        finally:
+            self._ready.set()
+
+    def constraint(self, source: Any, reasoning: bool) -> Any:
+        self._ready.wait()
+        if self._compiler is None:
+            raise RuntimeError(f"the engine's grammar compiler is unavailable: {self._error}")
+        return self._compiler.constraint(self._compiler.compile(source).grammar, reasoning=reasoning)
+
+
+def _engine_main(setup: EngineSetup, cmds: Connection, out: Connection) -> None:
+    """The engine process: build the worker, report "ready" (or one "fatal" line), then serve commands until
+    "shutdown" or until the parent goes away. It ignores SIGINT and SIGTERM: a Ctrl-C (sent to the whole process
+    group) or a group-wide SIGTERM is for `nextn serve`, which drains and then stops its engine."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=setup.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s")
+    import time
+
+    import torch
+
+    from engine.loader import CheckpointError, load_model
+    from engine.model.config import ConfigError
+    from engine.scheduler import PoolTooLarge
+    from engine.spec import SpecSession
+    from server.worker import Worker
+
+    if setup.device == "cpu" and setup.cpu_threads is not None:
+        torch.set_num_threads(setup.cpu_threads)
+    try:
+        model = load_model(setup.model_dir, device=setup.device, dtype=setup.dtype, progress=True)
+    except (ConfigError, CheckpointError, ValueError, OSError) as e:  # as `nextn serve` words a failed load
+        out.send(("fatal", f"cannot load {setup.model_dir}: {e}"))
+        return
+    except BaseException as e:  # noqa: BLE001 - e.g. a corrupt safetensors file
+        out.send(("fatal", f"cannot load {setup.model_dir}: {type(e).__name__}: {e}"))
+        return
+    try:
+        relay = _Relay(out)
+        worker = Worker(model, relay.metrics, k=setup.k, p_min=setup.p_min, capmax=setup.capmax,
+                        max_num_seqs=setup.max_num_seqs, max_queue=1 << 30,  # the parent bounds the queue
+                        max_model_len=setup.max_model_len, max_num_batched_tokens=setup.max_num_batched_tokens,
+                        session_factory=setup.session_factory or SpecSession, outbox=relay)
+    except PoolTooLarge as e:
+        out.send(("fatal", str(e)))
+        return
+    except BaseException as e:  # noqa: BLE001 - one line for the parent to print
+        out.send(("fatal", f"the engine could not start: {type(e).__name__}: {e}"))
+        return
+    grammar = _ChildGrammar(setup, model.config.vocab_size)
+    worker.start()
+    out.send(("ready", str(model.config.dtype).removeprefix("torch.")))
+    jobs: dict[int, _ChildJob] = {}
+    while True:
+        try:
+            msg = cmds.recv()
+        except (EOFError, OSError):  # the parent is gone
+            break
+        if msg[0] == "submit":
+            batch = []
+            for spec in msg[1]:
+                job = _ChildJob(spec.index, spec.prompt_ids, spec.max_new_tokens, spec.sampling, spec.eos_ids,
+                                spec.logprobs, None, None, prompt_logprobs=spec.prompt_logprobs,  # type: ignore[arg-type]
+                                arrival=time.monotonic() - spec.arrival_age)
+                job.key, job.relay = spec.key, relay
+                jobs[spec.key] = job
+                if spec.grammar is not None:
+                    try:
+                        job.constraint = grammar.constraint(spec.grammar, spec.reasoning)
+                    except Exception as e:  # noqa: BLE001 - this job fails alone
+                        job.done = True
+                        job.publish(JobEvent(job.index, [], done=True, finish_reason="error", error=e,
+                                             telem=job.telem))
+                        continue
+                batch.append(job)
+            try:
+                worker.submit(batch)
+            except (QueueFull, Unavailable) as e:
+                for job in batch:
+                    job.done = True
+                    relay.send([(job, JobEvent(job.index, [], done=True, finish_reason="error", error=e,
+                                               telem=job.telem))])
+                relay.flush()
+            for key in [k for k, j in jobs.items() if j.done]:
+                del jobs[key]
+        elif msg[0] == "cancel":
+            job = jobs.get(msg[1])
+            if job is not None:
+                job.cancel(msg[2])
+                worker.wake()
+        elif msg[0] == "shutdown":
+            break
+    worker.shutdown(timeout=60)
+    relay.flush()
+
+
+# -- parent ---------------------------------------------------------------------------------------------
+
+
+class EngineProcess(Drainable):
+    """`Worker`'s interface over an engine process. `start()` spawns it and waits until its model is loaded
+    and its state pool reserved (raises `EngineStartError` with the child's one-line reason)."""
+
+    def __init__(self, setup: EngineSetup, metrics: Any, *, max_queue: int, max_num_seqs: int) -> None:
+        self.setup, self.metrics = setup, metrics
+        self.max_queue, self.max_num_seqs = max_queue, max_num_seqs
+        self.dtype = "?"
+        self._cv = threading.Condition()
+        self._jobs: dict[int, Job] = {}  # sent, no `done` event yet
+        self._keys = itertools.count()
+        self._running = 0  # the child's last report
+        self._draining = False
+        self._stopping = False
+        self._failed = False
+        self._outbox = _Outbox()
+        self._send_lock = threading.Lock()
+        self._proc: Any = None
+        self._cmds: Connection | None = None
+        self._out: Connection | None = None
+        self._reader: threading.Thread | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked threads, CUDA-safe
+        cmd_r, cmd_w = ctx.Pipe(duplex=False)
+        out_r, out_w = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(target=_engine_main, args=(self.setup, cmd_r, out_w), name="nextn-engine",
+                                 daemon=True)
+        self._proc.start()
+        cmd_r.close()
+        out_w.close()
+        self._cmds, self._out = cmd_w, out_r
+        if not out_r.poll(START_TIMEOUT_S):
+            self._kill()
+            raise EngineStartError(f"the engine process did not start within {START_TIMEOUT_S:.0f} s")
+        try:
+            msg = out_r.recv()
+        except (EOFError, OSError):
+            self._proc.join(5)
+            raise EngineStartError(f"the engine process exited while starting (exit code {self._proc.exitcode})") \
+                from None
+        if msg[0] != "ready":
+            self._proc.join(30)
+            raise EngineStartError(msg[1])
+        self.dtype = msg[1]
+        log.info("engine process started (pid %d)", self._proc.pid)
+        self._reader = threading.Thread(target=self._read, name="nextn-engine-reader", daemon=True)
+        self._reader.start()
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop the engine; jobs still queued or active get an "abort" `done` event."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        if self._proc is None:
+            return
+        self._send(("shutdown",))
+        self._proc.join(timeout)
+        if self._proc.is_alive():
+            self._kill()
+        if self._reader is not None:
+            self._reader.join(10)
+        self._fail_all("abort", None)  # whatever the child did not finish itself
+
+    def _kill(self) -> None:
+        with contextlib.suppress(Exception):
+            self._proc.kill()
+            self._proc.join(10)
+
+    # -- event-loop side ------------------------------------------------------------------------------
+
+    def submit(self, jobs: Sequence[Job]) -> None:
+        """Queue all of `jobs` or none. Raises `Unavailable` or `QueueFull`."""
+        with self._cv:
+            if self._draining or self._stopping:
+                raise Unavailable("the server is draining for shutdown")
+            if not self.alive:
+                raise Unavailable("the engine is not running")
+            waiting = max(0, len(self._jobs) - self._running)  # sent and not yet running (an upper bound)
+            if waiting + len(jobs) > self.max_queue:
+                raise QueueFull(f"the admission queue is full ({self.max_queue} waiting)")
+            specs = [self._spec(job) for job in jobs]
+            for job, spec in zip(jobs, specs):
+                self._jobs[spec.key] = job
+                job.key = spec.key  # type: ignore[attr-defined]
+                job.on_cancel = self._cancel
+            self.metrics.set_waiting(waiting + len(jobs))
+        self._send(("submit", specs))
+        for job in jobs:  # cancelled before they were sent
+            if job.cancel_reason is not None:
+                self._cancel(job)
+
+    def _spec(self, job: Job) -> _JobSpec:
+        import time
+
+        grammar, reasoning = None, False
+        if job.constraint is not None:
+            src = getattr(getattr(job.constraint, "grammar", None), "source", None)
+            if src is None:
+                raise ValueError("the engine process serves grammar constraints only (GuidanceConstraint)")
+            grammar, reasoning = src, bool(getattr(job.constraint, "reasoning", False))
+        return _JobSpec(next(self._keys), job.index, list(job.prompt_ids), job.max_new_tokens, job.sampling,
+                        list(job.eos_ids), job.logprobs, job.prompt_logprobs, grammar, reasoning,
+                        time.monotonic() - job.arrival)
+
+    def _cancel(self, job: Job) -> None:
+        key = getattr(job, "key", None)
+        if key is not None:
+            self._send(("cancel", key, job.cancel_reason or "abort"))
+
+    def _send(self, msg: tuple) -> None:
+        with self._send_lock, contextlib.suppress(OSError, ValueError):  # a dead child: the reader fails its jobs
+            assert self._cmds is not None
+            self._cmds.send(msg)
+
+    @property
+    def num_active(self) -> int:
+        return self._running
+
+    @property
+    def num_waiting(self) -> int:
+        return max(0, len(self._jobs) - self._running)
+
+    @property
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.is_alive() and not self._failed
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until no job is in flight; False on timeout."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._jobs, timeout)
+
+    # -- reader thread --------------------------------------------------------------------------------
+
+    def _read(self) -> None:
+        assert self._out is not None
+        while True:
+            try:
+                msg = self._out.recv()
+            except (EOFError, OSError):
+                break
+            except Exception:  # noqa: BLE001 - an unreadable message: the stream is lost
+                log.critical("unreadable message from the engine process", exc_info=True)
+                break
+            if msg[0] != "out":
+                continue
+            _, events, ops = msg
+            for name, args in ops:
+                with contextlib.suppress(Exception):
+                    if name == "set_running":
+                        self._running = args[0]
+                    getattr(self.metrics, name)(*args)
+            pairs = []
+            with self._cv:
+                for key, ev in events:
+                    job = self._jobs.get(key)
+                    if job is None:
+                        continue
+                    if ev.done:
+                        job.done = True
+                        del self._jobs[key]
+                    pairs.append((job, ev))
+                if not self._jobs:
+                    self._cv.notify_all()
+            self._outbox.send(pairs)
+        code = self._proc.exitcode if self._proc is not None else None
+        if not self._stopping:
+            log.critical("the engine process exited (exit code %s); failing every request", code)
+        self._fail_all("error", RuntimeError(f"the engine process exited (exit code {code})"))
+
+    def _fail_all(self, reason: str, err: BaseException | None) -> None:
+        with self._cv:
+            if reason == "error":
+                self._failed = True
+            jobs = list(self._jobs.values())
+            self._jobs.clear()
+            self._running = 0
+            self._cv.notify_all()
+        for job in jobs:
+            if not job.done:
+                job.done = True
+                job.publish(JobEvent(job.index, [], done=True, finish_reason=reason, error=err, telem=job.telem))
+        with contextlib.suppress(Exception):
+            self.metrics.set_running(0)
+            self.metrics.set_waiting(0)

@@ -11,7 +11,8 @@ parent on the served `ServingMetrics`. Grammar-constrained jobs travel as their 
 compiles them again with its own compiler (cached) and builds the constraint there.
 
 The parent (`EngineProcess`) has `Worker`'s interface for the serving layer: `submit` sends job specs, a
-`Job.cancel` sends a cancel, a reader thread turns the child's messages into each job's events on its event
+`Job.cancel` sends a cancel (both queued to a sender thread, so the event loop never blocks on a full pipe),
+a reader thread turns the child's messages into each job's events on its event
 loop (the same `_Outbox` hand-off). If the child exits (a crash, the OOM killer), every job it held gets an
 error `done` event, /health turns 503 and `submit` refuses: no client waits on a dead engine.
 """
@@ -22,6 +23,7 @@ import itertools
 import logging
 import multiprocessing
 import pickle
+import queue
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -282,7 +284,7 @@ class EngineProcess(Drainable):
         self._stopping = False
         self._failed = False
         self._outbox = _Outbox()
-        self._send_lock = threading.Lock()
+        self._outq: queue.SimpleQueue[tuple] = queue.SimpleQueue()  # commands for the sender thread
         self._proc: Any = None
         self._cmds: Connection | None = None
         self._out: Connection | None = None
@@ -316,6 +318,7 @@ class EngineProcess(Drainable):
         log.info("engine process started (pid %d)", self._proc.pid)
         self._reader = threading.Thread(target=self._read, name="nextn-engine-reader", daemon=True)
         self._reader.start()
+        threading.Thread(target=self._write, name="nextn-engine-sender", daemon=True).start()
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop the engine; jobs still queued or active get an "abort" `done` event."""
@@ -379,9 +382,18 @@ class EngineProcess(Drainable):
             self._send(("cancel", key, job.cancel_reason or "abort"))
 
     def _send(self, msg: tuple) -> None:
-        with self._send_lock, contextlib.suppress(OSError, ValueError):  # a dead child: the reader fails its jobs
-            assert self._cmds is not None
-            self._cmds.send(msg)
+        """Queue a command (never blocks the event loop: a large prompt fills the pipe while the engine is busy)."""
+        self._outq.put(msg)
+
+    def _write(self) -> None:
+        """The sender thread: commands to the engine in order, until shutdown."""
+        assert self._cmds is not None
+        while True:
+            msg = self._outq.get()
+            with contextlib.suppress(OSError, ValueError):  # a dead child: the reader fails its jobs
+                self._cmds.send(msg)
+            if msg[0] == "shutdown":
+                return
 
     @property
     def num_active(self) -> int:

@@ -105,3 +105,29 @@ def test_mtp_missing_disables_speculation(ckpt, caplog):
     m = load_model(ckpt)
     assert m.mtp is None and not m.config.has_mtp
     assert "speculation disabled" in caplog.text
+
+
+def test_served_model_reads_its_modules_and_weights_without_module_getattr(ckpt, monkeypatch):
+    """`fuse` pins submodules and parameters as instance attributes: a decode step never goes through
+    nn.Module.__getattr__; a parameter reassigned afterwards is the one the forward uses."""
+    from engine.model.qwen35 import FwdCtx  # noqa: F401 - the step below builds its context through SpecSession
+    from engine.scheduler import Scheduler
+    from engine.spec import SpecSession
+
+    m = load_model(ckpt)
+    sched = Scheduler(m, max_num_seqs=1, max_model_len=64, k=0, max_num_batched_tokens=64)
+    sess = SpecSession(m, [3, 4, 5], 4, k=0, pool=sched.pool)
+    sched.add(sess)
+    sched.step()
+    calls = []
+    orig = torch.nn.Module.__getattr__
+    monkeypatch.setattr(torch.nn.Module, "__getattr__", lambda self, name: calls.append(name) or orig(self, name))
+    sched.step()
+    monkeypatch.undo()
+    assert sess.error is None and len(sess.emitted) == 2 and calls == []
+    h = torch.randn(1, 2, m.config.hidden_size)
+    norm = m.model.norm
+    before = norm(h)
+    norm.weight = torch.nn.Parameter(norm.weight.detach() + 1.0, requires_grad=False)  # drops the pinned copy
+    assert norm.weight is norm._parameters["weight"]
+    assert not torch.equal(norm(h), before)

@@ -85,6 +85,18 @@ def fuse_linears(linears: list[nn.Linear]) -> torch.Tensor:
     return w
 
 
+def pin_attributes(root: nn.Module) -> None:
+    """Make every module's submodules and parameters plain instance attributes too, so that the forward's
+    `self.weight` / `self.mlp` reads skip `nn.Module.__getattr__` (a Python call per read, ~70 per plain decode
+    step: ~7 % of the step of a small model on CPU, bench/RESULTS.md). The copies stay right after in-place
+    edits, `.to()` / `.data =` (the same Parameter objects) and a reassignment (`m.weight = nn.Parameter(...)`,
+    `m.sub = Module()`: `nn.Module.__setattr__` drops the copy); not after writing into `_parameters` /
+    `_modules` directly or `del m.weight`, which nothing in nextn does."""
+    for m in root.modules():
+        for name, v in (*m._modules.items(), *m._parameters.items()):
+            m.__dict__[name] = v  # a None too (nn.Linear's absent bias)
+
+
 _ROPE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
@@ -527,10 +539,12 @@ class Qwen35ForCausalLM(nn.Module):
 
     def fuse(self) -> None:
         """Inference layout: one GEMM per group of projections that read the same input (GDN qkv|z|b|a,
-        attention q|k|v, MLP gate|up). Parameters keep their HF names as views of the fused weights."""
+        attention q|k|v, MLP gate|up). Parameters keep their HF names as views of the fused weights. Then
+        `pin_attributes`."""
         for m in self.modules():
             if m is not self and hasattr(m, "fuse"):
                 m.fuse()
+        pin_attributes(self)
 
     def forward_step(self, ids: torch.Tensor, ctx: FwdCtx, pool: "StatePool") -> torch.Tensor:
         """ids [N, T] at the rows and positions `ctx` names in `pool` -> pre-final-norm hidden [N, T, H].

@@ -110,7 +110,6 @@ def test_mtp_missing_disables_speculation(ckpt, caplog):
 def test_served_model_reads_its_modules_and_weights_without_module_getattr(ckpt, monkeypatch):
     """`fuse` pins submodules and parameters as instance attributes: a decode step never goes through
     nn.Module.__getattr__; a parameter reassigned afterwards is the one the forward uses."""
-    from engine.model.qwen35 import FwdCtx  # noqa: F401 - the step below builds its context through SpecSession
     from engine.scheduler import Scheduler
     from engine.spec import SpecSession
 

@@ -57,7 +57,7 @@ def _port() -> int:
 class Server:
     """`nextn serve MODEL` in a subprocess (one torch thread) on a free port."""
 
-    def __init__(self, model: Path, k: int, max_num_seqs: int = 8, device: str = "cpu"):
+    def __init__(self, model: Path, k: int, max_num_seqs: int = 8, device: str = "cpu", extra: list[str] | None = None):
         self.port = _port()
         env = {**{k_: v for k_, v in os.environ.items() if not k_.startswith("NEXTN_")}, "OMP_NUM_THREADS": "1"}
         # `nextn serve` from this checkout (no installed entry point needed, e.g. on the device machine)
@@ -65,7 +65,7 @@ class Server:
         nextn = [sys.executable, "-c", "import sys; from server.cli import main; sys.exit(main())"]
         self.proc = subprocess.Popen([*nextn, "serve", str(model), "--port", str(self.port), "--device", device,
                                       "--num-speculative-tokens", str(k), "--max-num-seqs", str(max_num_seqs),
-                                      "--max-model-len", "1024", "--log-level", "warning"], env=env)
+                                      "--max-model-len", "1024", "--log-level", "warning", *(extra or [])], env=env)
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -76,9 +76,22 @@ class Server:
                 time.sleep(0.2)
         raise RuntimeError("server did not start")
 
+    def model_id(self) -> str:
+        return httpx.get(self.url + "/v1/models").json()["data"][0]["id"]
+
     def close(self) -> None:
         self.proc.terminate()
         self.proc.wait(60)
+
+
+def hidden256_checkpoint(path: Path) -> Path:
+    """The random checkpoint of the transformers comparison: 4 layers (3 GDN, 1 attention), hidden 256, vocab
+    2048, no MTP."""
+    from tests.tiny import make_checkpoint
+
+    return make_checkpoint(path, seed=5, mtp=False, vocab_size=2048, hidden_size=256, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_key_heads=2,
+                           linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64)
 
 
 async def _stream(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], n: int) -> int:
@@ -212,11 +225,7 @@ def main() -> int:
              for t in DEFAULT_BENCH_PROMPTS]
     eight = [chats[i % len(chats)] for i in range(8)]
     demo = load_model(DEMO, device=dev)
-    from tests.tiny import make_checkpoint
-    ckpt = make_checkpoint(Path(tempfile.mkdtemp()) / "hf256", seed=5, mtp=False, vocab_size=2048, hidden_size=256,
-                           num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                           linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
-                           linear_value_head_dim=64)
+    ckpt = hidden256_checkpoint(Path(tempfile.mkdtemp()) / "hf256")
     prompt = list(range(10, 42))
     hf = HfPeer(ckpt, prompt, n, dev)
     load0 = os.getloadavg()
@@ -224,7 +233,7 @@ def main() -> int:
                "hf256": Server(ckpt, k=0, device=dev)}
     figs: dict[str, float] = {}
     try:
-        models = {name: httpx.get(srv.url + "/v1/models").json()["data"][0]["id"] for name, srv in servers.items()}
+        models = {name: srv.model_id() for name, srv in servers.items()}
         for name, srv in servers.items():  # warm-up
             _clients_once(srv.url, models[name], chats[:1], n)
         _clients_once(servers["k3"].url, models["k3"], eight, n)

@@ -106,6 +106,14 @@ def test_auto_values_are_resolved_with_notes(tmp_path):
     with pytest.raises(SettingsError):
         resolve(ServeSettings(model_dir=tmp_path, max_model_len=9000), cuda_available=False,
                 max_position_embeddings=4096, has_mtp=True)
+    # the engine process is the default; the research door keeps the engine in the serving process (logged)
+    assert s.engine_process and resolve(s, cuda_available=False, max_position_embeddings=4096,
+                                        has_mtp=True)[0].engine_process
+    r, notes = resolve(ServeSettings(model_dir=tmp_path, research_opti_controller_q=0.5), cuda_available=False,
+                       max_position_embeddings=4096, has_mtp=True)
+    assert not r.engine_process and notes[-1] == (
+        logging.WARNING, "engine_process True -> False (the research door's controller and counters live in the "
+                         "serving process)")
 
 
 # ------------------------------------------------------------------------------------ as a process

@@ -22,6 +22,7 @@ import contextlib
 import itertools
 import logging
 import multiprocessing
+import os
 import pickle
 import queue
 import threading
@@ -220,6 +221,16 @@ def _engine_main(setup: EngineSetup, cmds: Connection, out: Connection) -> None:
         return
     grammar = _ChildGrammar(setup, model.config.vocab_size)
     worker.start()
+    stopping = threading.Event()
+
+    def watch() -> None:  # the loop died by itself (it has failed its jobs): exit, so the server reports it
+        worker.join()
+        if not stopping.is_set():
+            log.critical("the engine's worker loop died; the engine process exits")
+            relay.flush()
+            os._exit(70)
+
+    threading.Thread(target=watch, name="nextn-engine-watch", daemon=True).start()
     out.send(("ready", str(model.config.dtype).removeprefix("torch.")))
     jobs: dict[int, _ChildJob] = {}
     while True:
@@ -227,6 +238,8 @@ def _engine_main(setup: EngineSetup, cmds: Connection, out: Connection) -> None:
             msg = cmds.recv()
         except (EOFError, OSError):  # the parent is gone
             break
+        for key in [k for k, j in jobs.items() if j.done]:  # jobs whose final event went out
+            del jobs[key]
         if msg[0] == "submit":
             batch = []
             for spec in msg[1]:
@@ -252,8 +265,6 @@ def _engine_main(setup: EngineSetup, cmds: Connection, out: Connection) -> None:
                     relay.send([(job, JobEvent(job.index, [], done=True, finish_reason="error", error=e,
                                                telem=job.telem))])
                 relay.flush()
-            for key in [k for k, j in jobs.items() if j.done]:
-                del jobs[key]
         elif msg[0] == "cancel":
             job = jobs.get(msg[1])
             if job is not None:
@@ -261,6 +272,7 @@ def _engine_main(setup: EngineSetup, cmds: Connection, out: Connection) -> None:
                 worker.wake()
         elif msg[0] == "shutdown":
             break
+    stopping.set()
     worker.shutdown(timeout=60)
     relay.flush()
 

@@ -236,6 +236,10 @@ class Worker(Drainable):
         """The loop is running (False once it died or stopped)."""
         return self._thread.is_alive() and not self._failed
 
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for the loop's thread to end (it ends on `shutdown` or when the loop itself failed)."""
+        self._thread.join(timeout)
+
     def wake(self) -> None:
         """Make an idle loop look at its jobs again (a cancel of a queued job from another thread)."""
         with self._cv:

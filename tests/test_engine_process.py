@@ -28,6 +28,7 @@ from tests.server_fixtures import ServerThread, free_port, http_ready, tiny_chec
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FAIL_MARK = 300  # a prompt token that makes `failing_session` raise (the tiny vocabulary has 333 ids)
+KILL_LOOP_MARK = 301  # ... and one that makes it fail the worker loop itself
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]},
@@ -38,11 +39,17 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "required": ["name", "age"], "additionalProperties": False}
 
 
+class LoopKiller(BaseException):
+    """Not an Exception: the worker's per-session guard lets it through, so it fails the loop itself."""
+
+
 def failing_session(*args, **kw):
     """A session factory for the engine process (module level: it is pickled by name): raises for a prompt that
-    contains FAIL_MARK, else a normal `SpecSession`."""
+    contains FAIL_MARK, fails the worker loop for one with KILL_LOOP_MARK, else a normal `SpecSession`."""
     if FAIL_MARK in args[1]:
         raise RuntimeError("injected session failure")
+    if KILL_LOOP_MARK in args[1]:
+        raise LoopKiller("injected loop failure")
     return SpecSession(*args, **kw)
 
 
@@ -181,6 +188,19 @@ def test_a_dead_engine_fails_every_open_request_and_health():
         assert wait_until(lambda: httpx.get(s.url + "/health").status_code == 503)
         late = httpx.post(s.url + "/v1/completions", json={**body, "stream": False, "max_tokens": 4})
         assert late.status_code == 503 and late.json()["error"]["message"]
+
+
+def test_a_dead_worker_loop_ends_the_engine_process():
+    """The loop inside the engine fails (not one session): its jobs fail, the engine process exits and the
+    server reports it (/health 503, new requests 503), as the in-process worker does."""
+    with ServerThread(engine_process=True, worker_kw={"session_factory": failing_session}) as s:
+        c = _client(s)
+        with pytest.raises(openai.InternalServerError):
+            c.completions.create(model=s.model, prompt=[5, KILL_LOOP_MARK, 7], max_tokens=8, temperature=0)
+        assert wait_until(lambda: httpx.get(s.url + "/health").status_code == 503, timeout=30)
+        assert s.worker._proc.exitcode == 70
+        late = httpx.post(s.base_url + "/completions", json={"model": s.model, "prompt": [5], "max_tokens": 2})
+        assert late.status_code == 503
 
 
 def test_a_checkpoint_the_engine_cannot_load_is_one_line(tmp_path):

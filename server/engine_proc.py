@@ -18,6 +18,8 @@ error `done` event, /health turns 503 and `submit` refuses: no client waits on a
 """
 from __future__ import annotations
 
+import atexit
+import concurrent.futures
 import contextlib
 import itertools
 import logging
@@ -36,8 +38,8 @@ from server.worker import Drainable, Job, JobEvent, QueueFull, Unavailable, _Out
 
 log = logging.getLogger("nextn.engine")
 
-#: seconds the child may take to import torch, load the model and reserve its state pool
-START_TIMEOUT_S = 600.0
+#: grammar compiles the engine runs at once (off its command loop, which must keep taking submits and cancels)
+GRAMMAR_THREADS = 2
 
 
 class EngineStartError(RuntimeError):
@@ -80,7 +82,7 @@ class _JobSpec:
     prompt_logprobs: int | None
     grammar: Any  # GrammarSource, or None
     reasoning: bool
-    arrival_age: float  # seconds the job had waited when it was sent (queue-time metric)
+    arrival: float  # the parent's time.monotonic() at the job's creation (CLOCK_MONOTONIC: one clock for both)
 
 
 # -- child ----------------------------------------------------------------------------------------------
@@ -177,6 +179,28 @@ class _ChildGrammar:
         return self._compiler.constraint(self._compiler.compile(source).grammar, reasoning=reasoning)
 
 
+def _submit(worker: Any, jobs: list[_ChildJob]) -> None:
+    """Queue `jobs` on the engine's worker; if it refuses (it died), each gets its error `done` event."""
+    try:
+        worker.submit(jobs)
+    except (QueueFull, Unavailable) as e:
+        for job in jobs:
+            job.done = True
+            job.publish(JobEvent(job.index, [], done=True, finish_reason="error", error=e, telem=job.telem))
+
+
+def _constrain_and_submit(job: _ChildJob, spec: _JobSpec, grammar: _ChildGrammar, worker: Any) -> None:
+    """A compile thread: build the job's constraint from its grammar source, then queue it (a failure fails this
+    job alone; a job cancelled meanwhile is dropped by the worker with an "abort")."""
+    try:
+        job.constraint = grammar.constraint(spec.grammar, spec.reasoning)
+    except Exception as e:  # noqa: BLE001 - this job fails alone
+        job.done = True
+        job.publish(JobEvent(job.index, [], done=True, finish_reason="error", error=e, telem=job.telem))
+        return
+    _submit(worker, [job])
+
+
 def _engine_main(setup: EngineSetup, cmds: Connection, out: Connection) -> None:
     """The engine process: build the worker, report "ready" (or one "fatal" line), then serve commands until
     "shutdown" or until the parent goes away. It ignores SIGINT and SIGTERM: a Ctrl-C (sent to the whole process
@@ -187,7 +211,6 @@ def _engine_main(setup: EngineSetup, cmds: Connection, out: Connection) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=setup.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s")
-    import time
 
     import torch
 
@@ -220,6 +243,7 @@ def _engine_main(setup: EngineSetup, cmds: Connection, out: Connection) -> None:
         out.send(("fatal", f"the engine could not start: {type(e).__name__}: {e}"))
         return
     grammar = _ChildGrammar(setup, model.config.vocab_size)
+    compiles = concurrent.futures.ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="nextn-engine-compile")
     worker.start()
     stopping = threading.Event()
 
@@ -245,26 +269,14 @@ def _engine_main(setup: EngineSetup, cmds: Connection, out: Connection) -> None:
             for spec in msg[1]:
                 job = _ChildJob(spec.index, spec.prompt_ids, spec.max_new_tokens, spec.sampling, spec.eos_ids,
                                 spec.logprobs, None, None, prompt_logprobs=spec.prompt_logprobs,  # type: ignore[arg-type]
-                                arrival=time.monotonic() - spec.arrival_age)
+                                arrival=spec.arrival)
                 job.key, job.relay = spec.key, relay
                 jobs[spec.key] = job
-                if spec.grammar is not None:
-                    try:
-                        job.constraint = grammar.constraint(spec.grammar, spec.reasoning)
-                    except Exception as e:  # noqa: BLE001 - this job fails alone
-                        job.done = True
-                        job.publish(JobEvent(job.index, [], done=True, finish_reason="error", error=e,
-                                             telem=job.telem))
-                        continue
-                batch.append(job)
-            try:
-                worker.submit(batch)
-            except (QueueFull, Unavailable) as e:
-                for job in batch:
-                    job.done = True
-                    relay.send([(job, JobEvent(job.index, [], done=True, finish_reason="error", error=e,
-                                               telem=job.telem))])
-                relay.flush()
+                if spec.grammar is None:
+                    batch.append(job)
+                else:  # compiled off this loop; the job joins the queue when its constraint is built
+                    compiles.submit(_constrain_and_submit, job, spec, grammar, worker)
+            _submit(worker, batch)
         elif msg[0] == "cancel":
             job = jobs.get(msg[1])
             if job is not None:
@@ -273,6 +285,7 @@ def _engine_main(setup: EngineSetup, cmds: Connection, out: Connection) -> None:
         elif msg[0] == "shutdown":
             break
     stopping.set()
+    compiles.shutdown(wait=False, cancel_futures=True)
     worker.shutdown(timeout=60)
     relay.flush()
 
@@ -311,18 +324,21 @@ class EngineProcess(Drainable):
         self._proc = ctx.Process(target=_engine_main, args=(self.setup, cmd_r, out_w), name="nextn-engine",
                                  daemon=True)
         self._proc.start()
+        atexit.register(self._kill)  # before multiprocessing's own exit hook, which would wait for it forever
         cmd_r.close()
         out_w.close()
         self._cmds, self._out = cmd_w, out_r
-        if not out_r.poll(START_TIMEOUT_S):
-            self._kill()
-            raise EngineStartError(f"the engine process did not start within {START_TIMEOUT_S:.0f} s")
-        try:
+        try:  # as long as loading takes (a large checkpoint on slow storage), unless the child exits
+            while not out_r.poll(1.0) and self._proc.is_alive():
+                pass
             msg = out_r.recv()
         except (EOFError, OSError):
             self._proc.join(5)
             raise EngineStartError(f"the engine process exited while starting (exit code {self._proc.exitcode})") \
                 from None
+        except BaseException:  # e.g. Ctrl-C while the model loads: the child ignores SIGINT, so stop it here
+            self._kill()
+            raise
         if msg[0] != "ready":
             self._proc.join(30)
             raise EngineStartError(msg[1])
@@ -346,11 +362,14 @@ class EngineProcess(Drainable):
         if self._reader is not None:
             self._reader.join(10)
         self._fail_all("abort", None)  # whatever the child did not finish itself
+        atexit.unregister(self._kill)
 
     def _kill(self) -> None:
+        """SIGKILL the engine process if it still runs (a failed start, an unreadable stream, interpreter exit)."""
         with contextlib.suppress(Exception):
-            self._proc.kill()
-            self._proc.join(10)
+            if self._proc.is_alive():
+                self._proc.kill()
+                self._proc.join(10)
 
     # -- event-loop side ------------------------------------------------------------------------------
 
@@ -376,8 +395,6 @@ class EngineProcess(Drainable):
                 self._cancel(job)
 
     def _spec(self, job: Job) -> _JobSpec:
-        import time
-
         grammar, reasoning = None, False
         if job.constraint is not None:
             src = getattr(getattr(job.constraint, "grammar", None), "source", None)
@@ -385,8 +402,7 @@ class EngineProcess(Drainable):
                 raise ValueError("the engine process serves grammar constraints only (GuidanceConstraint)")
             grammar, reasoning = src, bool(getattr(job.constraint, "reasoning", False))
         return _JobSpec(next(self._keys), job.index, list(job.prompt_ids), job.max_new_tokens, job.sampling,
-                        list(job.eos_ids), job.logprobs, job.prompt_logprobs, grammar, reasoning,
-                        time.monotonic() - job.arrival)
+                        list(job.eos_ids), job.logprobs, job.prompt_logprobs, grammar, reasoning, job.arrival)
 
     def _cancel(self, job: Job) -> None:
         key = getattr(job, "key", None)
@@ -402,8 +418,14 @@ class EngineProcess(Drainable):
         assert self._cmds is not None
         while True:
             msg = self._outq.get()
-            with contextlib.suppress(OSError, ValueError):  # a dead child: the reader fails its jobs
+            try:
                 self._cmds.send(msg)
+            except (OSError, ValueError):  # a dead child: the reader fails its jobs
+                pass
+            except Exception as e:  # noqa: BLE001 - a message that cannot be sent: its jobs fail, the rest goes on
+                log.exception("could not send %r to the engine process", msg[0])
+                if msg[0] == "submit":
+                    self._fail_jobs([spec.key for spec in msg[1]], e)
             if msg[0] == "shutdown":
                 return
 
@@ -433,8 +455,9 @@ class EngineProcess(Drainable):
                 msg = self._out.recv()
             except (EOFError, OSError):
                 break
-            except Exception:  # noqa: BLE001 - an unreadable message: the stream is lost
-                log.critical("unreadable message from the engine process", exc_info=True)
+            except Exception:  # noqa: BLE001 - an unreadable message: the stream is lost, so is the engine
+                log.critical("unreadable message from the engine process; stopping it", exc_info=True)
+                self._kill()
                 break
             if msg[0] != "out":
                 continue
@@ -464,6 +487,16 @@ class EngineProcess(Drainable):
         code = self._proc.exitcode
         log.critical("the engine process exited (exit code %s); failing every request", code)
         self._fail_all("error", RuntimeError(f"the engine process exited (exit code {code})"))
+
+    def _fail_jobs(self, keys: list[int], err: BaseException) -> None:
+        """Give these jobs (never sent) their error `done` event."""
+        with self._cv:
+            jobs = [self._jobs.pop(k) for k in keys if k in self._jobs]
+            self._cv.notify_all()
+        for job in jobs:
+            if not job.done:
+                job.done = True
+                job.publish(JobEvent(job.index, [], done=True, finish_reason="error", error=err, telem=job.telem))
 
     def _fail_all(self, reason: str, err: BaseException | None) -> None:
         with self._cv:

@@ -9,6 +9,7 @@ process exits too.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -173,6 +174,63 @@ def _sample(s: ServerThread, name: str, label: str = "") -> float:
     raise AssertionError(f"no {name} sample")
 
 
+SLOW_ENGINE = """
+import builtins, multiprocessing, os, sys, time
+_import = builtins.__import__
+def _slow(mod, name, env):
+    fn = getattr(mod, name)
+    def slow(*a, **k):
+        if multiprocessing.parent_process() is not None and os.environ.get(env):  # the engine process only
+            time.sleep(float(os.environ[env]))
+        return fn(*a, **k)
+    setattr(mod, name, slow)
+def _hook(name, *a, **k):  # test hook: engine-side grammar compiles / model loads take seconds
+    m = _import(name, *a, **k)
+    for modname, cls, attr, env in (("grammar.compile", "GrammarCompiler", "compile", "NEXTN_TEST_SLOW_COMPILE_S"),
+                                    ("engine.loader", None, "load_model", "NEXTN_TEST_SLOW_LOAD_S")):
+        mod = sys.modules.get(modname)
+        owner = mod if mod is None or cls is None else getattr(mod, cls, None)
+        if owner is not None and hasattr(owner, attr) and not hasattr(mod, "_nextn_slow_" + attr):
+            setattr(mod, "_nextn_slow_" + attr, True)
+            _slow(owner, attr, env)
+    return m
+builtins.__import__ = _hook
+"""
+
+
+def _slow_engine_env(tmp_path: Path, **env: str) -> dict[str, str]:
+    """Environment whose spawned engine process imports the SLOW_ENGINE sitecustomize."""
+    (tmp_path / "sitecustomize.py").write_text(SLOW_ENGINE)
+    return {"PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]), **env}
+
+
+def test_a_grammar_compiling_in_the_engine_holds_up_no_other_request(tmp_path, monkeypatch):
+    """The engine compiles a request's grammar again (from its source) off its command loop: while one request's
+    grammar compiles there (made to take 4 s by a sitecustomize the spawned engine imports), another request is
+    served at once."""
+    for k, v in _slow_engine_env(tmp_path, NEXTN_TEST_SLOW_COMPILE_S="4").items():
+        monkeypatch.setenv(k, v)
+    with ServerThread(engine_process=True) as s:
+        took: dict[str, float] = {}
+
+        def constrained() -> None:
+            t0 = time.monotonic()
+            r = httpx.post(s.base_url + "/chat/completions", timeout=60, json={
+                "model": s.model, "messages": [{"role": "user", "content": "x"}], "max_tokens": 8,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}})
+            took["constrained"] = time.monotonic() - t0 if r.status_code == 200 else -1.0
+
+        t = threading.Thread(target=constrained)
+        t.start()
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        plain = _client(s).completions.create(model=s.model, prompt=[5, 6, 7], max_tokens=4, temperature=0)
+        took["plain"] = time.monotonic() - t0
+        t.join(60)
+        assert plain.usage.completion_tokens == 4 and took["plain"] < 2.0, took
+        assert took["constrained"] >= 4.0, took  # the slow compile did happen, in the engine
+
+
 def test_a_dead_engine_fails_every_open_request_and_health():
     with ServerThread(engine_process=True, max_num_seqs=2) as s:
         body = {"model": s.model, "prompt": [5, 6, 7], "max_tokens": 4000, "temperature": 0, "ignore_eos": True,
@@ -215,6 +273,35 @@ def test_a_checkpoint_the_engine_cannot_load_is_one_line(tmp_path):
     assert r.returncode == 1
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith(f"nextn serve: error: cannot load {bad}"), r.stderr[-2000:]
+
+
+def test_ctrl_c_while_the_engine_loads_stops_both_processes(tmp_path):
+    """A Ctrl-C reaches the whole process group while the engine loads its model (made to take 60 s): the engine
+    ignores it, `nextn serve` stops it and exits; nothing is left waiting."""
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; from server.cli import main; sys.exit(main())", "serve",
+                             str(tiny_checkpoint()), "--port", str(free_port()), "--device", "cpu"], cwd=REPO_ROOT,
+                            stderr=subprocess.DEVNULL, start_new_session=True,
+                            env={**os.environ, **_slow_engine_env(tmp_path, NEXTN_TEST_SLOW_LOAD_S="60")})
+    try:
+        assert wait_until(lambda: _engine_of(proc.pid), timeout=60)
+        kid = _engine_of(proc.pid)
+        time.sleep(2)  # inside the (slowed) load
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(30)
+        assert wait_until(lambda: not _alive(kid), timeout=15)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _engine_of(pid: int) -> int | None:
+    """The engine process among `pid`'s children (not multiprocessing's resource tracker)."""
+    for p in os.listdir("/proc"):
+        if p.isdigit() and _ppid(int(p)) == pid:
+            with contextlib.suppress(OSError):
+                if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes():
+                    return int(p)
+    return None
 
 
 def test_killing_nextn_serve_takes_its_engine_process_down():

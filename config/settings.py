@@ -229,13 +229,13 @@ def resolve(settings: ServeSettings, *, cuda_available: bool, max_position_embed
 
     device auto -> cuda when available, else cpu; dtype auto -> float32 on cpu (on cuda it stays auto:
     the checkpoint's dtype); cpu_threads on cpu -> OMP_NUM_THREADS when set, else `cores` (default: the usable
-    cores) minus one, at least 1: the event loop shares the process, and torch's default of every core makes a
-    small model's steps wait on spinning OpenMP threads (bench/RESULTS.md: one client 308 tokens/s with 2
-    threads vs 776 with 1 on a 2-core box); served_model_name -> MODEL_DIR's name; max_model_len ->
+    cores) minus one, at least 1: the HTTP event loop needs a core, and torch's default of every core makes a
+    small model's steps wait on spinning OpenMP threads (bench/RESULTS.md: one client 259-287 tokens/s with 2
+    threads vs 722 with 1 on a 2-core box); served_model_name -> MODEL_DIR's name; max_model_len ->
     min(max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP); K -> 0 when the checkpoint has no MTP
-    weights; engine_process -> False when the research door is armed. Returns the new settings and one (log level, message) note per automatic choice, for the
-    caller to log once everything is valid. Raises `SettingsError` for ``--device cuda`` without CUDA
-    or a max_model_len above max_position_embeddings.
+    weights; engine_process -> False when the research door is armed. Returns the new settings and one
+    (log level, message) note per automatic choice, for the caller to log once everything is valid. Raises
+    `SettingsError` for ``--device cuda`` without CUDA or a max_model_len above max_position_embeddings.
     """
     update: dict[str, Any] = {}
     notes: list[tuple[int, str]] = []

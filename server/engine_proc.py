@@ -185,8 +185,7 @@ def _submit(worker: Any, jobs: list[_ChildJob]) -> None:
         worker.submit(jobs)
     except (QueueFull, Unavailable) as e:
         for job in jobs:
-            job.done = True
-            job.publish(JobEvent(job.index, [], done=True, finish_reason="error", error=e, telem=job.telem))
+            job.publish(job.end("error", e))
 
 
 def _constrain_and_submit(job: _ChildJob, spec: _JobSpec, grammar: _ChildGrammar, worker: Any) -> None:
@@ -195,8 +194,7 @@ def _constrain_and_submit(job: _ChildJob, spec: _JobSpec, grammar: _ChildGrammar
     try:
         job.constraint = grammar.constraint(spec.grammar, spec.reasoning)
     except Exception as e:  # noqa: BLE001 - this job fails alone
-        job.done = True
-        job.publish(JobEvent(job.index, [], done=True, finish_reason="error", error=e, telem=job.telem))
+        job.publish(job.end("error", e))
         return
     _submit(worker, [job])
 
@@ -291,6 +289,13 @@ def _engine_main(setup: EngineSetup, cmds: Connection, out: Connection) -> None:
 
 
 # -- parent ---------------------------------------------------------------------------------------------
+
+
+def _end(jobs: list[Job], reason: str, err: BaseException | None) -> None:
+    """Publish the final event of each job that has none yet."""
+    for job in jobs:
+        if not job.done:
+            job.publish(job.end(reason, err))
 
 
 class EngineProcess(Drainable):
@@ -493,10 +498,7 @@ class EngineProcess(Drainable):
         with self._cv:
             jobs = [self._jobs.pop(k) for k in keys if k in self._jobs]
             self._cv.notify_all()
-        for job in jobs:
-            if not job.done:
-                job.done = True
-                job.publish(JobEvent(job.index, [], done=True, finish_reason="error", error=err, telem=job.telem))
+        _end(jobs, "error", err)
 
     def _fail_all(self, reason: str, err: BaseException | None) -> None:
         with self._cv:
@@ -506,10 +508,7 @@ class EngineProcess(Drainable):
             self._jobs.clear()
             self._running = 0
             self._cv.notify_all()
-        for job in jobs:
-            if not job.done:
-                job.done = True
-                job.publish(JobEvent(job.index, [], done=True, finish_reason=reason, error=err, telem=job.telem))
+        _end(jobs, reason, err)
         with contextlib.suppress(Exception):
             self.metrics.set_running(0)
             self.metrics.set_waiting(0)

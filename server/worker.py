@@ -98,6 +98,11 @@ class Job:
             if self.on_cancel is not None:
                 self.on_cancel(self)
 
+    def end(self, reason: str, error: BaseException | None = None) -> JobEvent:
+        """Mark the job done and return its final event (no tokens; `reason`, `error`, its telemetry)."""
+        self.done = True
+        return JobEvent(self.index, [], done=True, finish_reason=reason, error=error, telem=self.telem)
+
     def publish(self, event: JobEvent) -> None:
         """Hand `event` to the event loop now (thread-safe), bypassing the worker's `_Outbox`: the outer guard
         uses it so that failing every job depends on nothing else; dropped when the loop has already closed."""
@@ -326,8 +331,7 @@ class Worker(Drainable):
         failure = RuntimeError(f"the worker failed: {type(err).__name__}")
         for job in jobs:
             if not job.done:  # the event first: metrics may be what failed
-                job.done = True
-                job.publish(JobEvent(job.index, [], done=True, finish_reason="error", error=failure, telem=job.telem))
+                job.publish(job.end("error", failure))
         with contextlib.suppress(Exception):
             self.metrics.set_running(0)
             self.metrics.set_waiting(0)
@@ -394,8 +398,7 @@ class Worker(Drainable):
                 out: list[tuple[Job, JobEvent]] | None = None) -> None:
         """The job's final event (request-level metrics are the serving layer's: one request, n jobs); appended
         to `out` when given (the step's batch, published after its token events), else handed over now."""
-        job.done = True
-        ev = JobEvent(job.index, [], done=True, finish_reason=reason, error=error, telem=job.telem)
+        ev = job.end(reason, error)
         if out is None:
             self._outbox.send([(job, ev)])
         else:

@@ -26,7 +26,6 @@ def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x if x.dtype == dtype else x.to(dtype)
 
 
-
 _EPS: dict[tuple, torch.Tensor] = {}  # (eps, dtype, device) -> 0-dim tensor
 
 

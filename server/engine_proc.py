@@ -151,32 +151,22 @@ class _ChildJob(Job):
 
 
 class _ChildGrammar:
-    """The child's grammar compiler (the served tokenizer's, built in a background thread at start)."""
+    """The child's grammar compiler: the served tokenizer's `StructuredOutputs`, its llguidance tokenizer built in
+    the background from the start."""
 
     def __init__(self, setup: EngineSetup, n_vocab: int) -> None:
-        self._ready = threading.Event()
-        self._compiler: Any = None
-        self._error: BaseException | None = None
-        threading.Thread(target=self._build, args=(setup, n_vocab), name="nextn-engine-grammar", daemon=True).start()
+        from engine.tokenizer import Tokenizer
+        from server.structured import StructuredOutputs
 
-    def _build(self, setup: EngineSetup, n_vocab: int) -> None:
-        try:
-            from engine.tokenizer import Tokenizer
-            from grammar import GrammarCompiler, GuidanceTokenizer
-
-            gtok = GuidanceTokenizer.from_tokenizer(Tokenizer.from_dir(setup.model_dir), n_vocab=n_vocab)
-            self._compiler = GrammarCompiler(gtok, max_bytes=setup.grammar_max_bytes, timeout_s=setup.grammar_timeout_s,
-                                             cache_size=setup.grammar_cache_size)
-        except BaseException as e:  # noqa: BLE001 - reported to each grammar job instead
-            self._error = e
-        finally:
-            self._ready.set()
+        self._so = StructuredOutputs(Tokenizer.from_dir(setup.model_dir), n_vocab=n_vocab, metrics=None,
+                                     max_bytes=setup.grammar_max_bytes, timeout_s=setup.grammar_timeout_s,
+                                     cache_size=setup.grammar_cache_size)
+        self._so.start()
 
     def constraint(self, source: Any, reasoning: bool) -> Any:
-        self._ready.wait()
-        if self._compiler is None:
-            raise RuntimeError(f"the engine's grammar compiler is unavailable: {self._error}")
-        return self._compiler.constraint(self._compiler.compile(source).grammar, reasoning=reasoning)
+        """A fresh constraint for `source` (compiled, or from the cache); raises what compiling raised."""
+        compiler = self._so.compiler_blocking()
+        return compiler.constraint(compiler.compile(source).grammar, reasoning=reasoning)
 
 
 def _submit(worker: Any, jobs: list[_ChildJob]) -> None:

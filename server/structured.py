@@ -61,6 +61,12 @@ class StructuredOutputs:
             log.warning("structured outputs are unavailable: %s: %s", type(e).__name__, e)
             self._compiler.set_exception(e)
 
+    def compiler_blocking(self) -> GrammarCompiler:
+        """The compiler, waiting for its tokenizer in this thread (the engine process's compile threads); raises
+        what building it raised."""
+        self.start()
+        return self._compiler.result()
+
     async def compiler(self) -> GrammarCompiler:
         self.start()
         try:

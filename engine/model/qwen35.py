@@ -37,7 +37,7 @@ from .config import Qwen35Config
 from .moe import MLP, SparseMoeBlock
 from .ops import dispatch as ops
 from .ops.gdn import causal_conv_window, gdn_chunked, gdn_recurrent_step, l2norm
-from .ops.norm import as_dtype
+from .ops.norm import as_dtype, const
 
 if TYPE_CHECKING:
     from ..cache import GdnPool, KVPool, ModelCache, StatePool
@@ -293,7 +293,8 @@ class GatedAttention(nn.Module):
         k = self.k_norm(k.reshape(N, T, self.nkv, self.hd))  # [N, T, nkv, hd]
         v = v.reshape(N, T, self.nkv, self.hd)
         cos, sin = ctx.rope if ctx is not None else rope
-        q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
+        qk = apply_partial_rope(torch.cat([q, k], dim=2), cos, sin)  # [N, T, nh + nkv, hd]: one rotation for both
+        q, k = qk[:, :, :self.nh], qk[:, :, self.nh:]
         gqa = self.nh != self.nkv
         if ctx is not None and ctx.kernels:
             assert kv is not None
@@ -378,10 +379,9 @@ class GatedDeltaNet(nn.Module):
             qkv, z, b, a = (linear(x, m.weight) for m in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b,
                                                           self.in_proj_a))
         z = z.reshape(N, T, self.nv, self.dv)
-        w = self.conv1d.weight[:, 0, :]  # [C, Kc]
         if ctx is not None and ctx.kernels:
             assert st is not None
-            return self._step_kernels(qkv, z, b, a, w, ctx, st)
+            return self._step_kernels(qkv, z, b, a, self.conv1d.weight[:, 0, :], ctx, st)
         live = ctx is not None and st is not None
         if live and N == 1:  # one row: read the live slot through a view (no gather)
             conv_state = st.conv[ctx.slots[0], ctx.read[0]][None]
@@ -390,11 +390,14 @@ class GatedDeltaNet(nn.Module):
             conv_state = st.conv_rows.index_select(0, rd)  # [N, C, Kc-1]
         else:
             conv_state = qkv.new_zeros(N, qkv.shape[-1], self.kc - 1)
-        y, window = causal_conv_window(qkv.transpose(1, 2), conv_state, w)  # [N, C, T], [N, C, Kc-1+T]
+        y, window = causal_conv_window(qkv.transpose(1, 2), conv_state, self.conv1d.weight)  # [N, C, T], [N, C, Kc-1+T]
         y = y.transpose(1, 2)  # [N, T, C]
         Kd = self.nk * self.dk
         qk = l2norm(as_dtype(y[..., :2 * Kd].reshape(N, T, 2 * self.nk, self.dk), sdt))  # q and k heads in one pass
-        q, k = qk[:, :, :self.nk] * (self.dk ** -0.5), qk[:, :, self.nk:]
+        r = self.nv // self.nk
+        if r > 1:  # each key head serves r value heads: q and k repeated in one copy
+            qk = qk.repeat_interleave(r, dim=2)  # [N, T, 2 nv, dk]
+        q, k = qk[:, :, :self.nv] * const(self.dk ** -0.5, qk), qk[:, :, self.nv:]  # [N, T, nv, dk] each
         v = as_dtype(y[..., 2 * Kd:].reshape(N, T, self.nv, self.dv), sdt)
         beta = as_dtype(torch.sigmoid(b), sdt)
         neg_a, dt_bias = self._decay_consts()
@@ -402,9 +405,6 @@ class GatedDeltaNet(nn.Module):
         if live and ctx.lens_t is not None:  # right padding: its tokens keep the state (decay 1, beta 0)
             real = (torch.arange(T, device=x.device) < ctx.lens_t[:, None])[..., None]  # [N, T, 1]
             g, beta = g.where(real, 0.0), beta.where(real, 0.0)
-        r = self.nv // self.nk
-        if r > 1:
-            q, k = q.repeat_interleave(r, dim=2), k.repeat_interleave(r, dim=2)
         if not live:
             o, _ = gdn_chunked(q, k, v, g, beta, None)
         elif ctx.record:

@@ -11,27 +11,32 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .norm import as_dtype, const
+
 
 def causal_conv_window(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal depthwise conv1d + SiLU over new inputs with a carried window.
 
     x: [B, C, T] raw (pre-conv) channels of the new tokens; state: [B, C, Kc-1] the previous Kc-1 raw inputs;
-    weight: [C, Kc] (tap Kc-1 multiplies the current token). Returns (y [B, C, T] after SiLU,
-    window [B, C, Kc-1+T] = cat(state, x)); the state after token t is window[..., t+1 : t+Kc].
-    The sum is an explicit, fixed-order sum over taps so every T gives bitwise the same per-token result.
+    weight: [C, Kc] or the conv module's own [C, 1, Kc] (tap Kc-1 multiplies the current token). Returns
+    (y [B, C, T] after SiLU, window [B, C, Kc-1+T] = cat(state, x)); the state after token t is
+    window[..., t+1 : t+Kc]. The sum is an explicit, fixed-order sum over taps (((p0 + p1) + p2) + ...), so
+    every T gives bitwise the same per-token result.
     """
     kc = weight.shape[-1]
-    window = torch.cat([state.to(x.dtype), x], dim=-1)  # [B, C, Kc-1+T]
-    T = x.shape[-1]
-    acc = window[..., 0:T] * weight[:, 0:1]
+    window = torch.cat([as_dtype(state, x.dtype), x], dim=-1)  # [B, C, Kc-1+T]
+    w = weight if weight.dim() == 3 else weight[:, None, :]  # [C, 1, Kc]
+    taps = (window.unfold(-1, kc, 1) * w).unbind(-1)  # Kc x [B, C, T]: tap j's products of every token
+    acc = taps[0]
     for j in range(1, kc):
-        acc = acc + window[..., j:j + T] * weight[:, j:j + 1]
+        acc = acc + taps[j]
     return F.silu(acc), window
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x * rsqrt(sum(x^2) + eps) over the last dim (the FLA / transformers convention)."""
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+    ss = torch.sum(x * x, -1, keepdim=True)  # [..., 1]
+    return x * ss.add_(const(eps, x)).rsqrt_()
 
 
 def gdn_recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -41,12 +46,16 @@ def gdn_recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     q, k: [B, H, dk] (l2-normed; q already scaled by dk^-0.5); v: [B, H, dv]; g (log decay <= 0), beta: [B, H];
     state: [B, H, dk, dv] fp32. All math in fp32. Returns (o [B, H, dv] fp32, new state [B, H, dk, dv]); the new
     state is written into `out` [B, H, dk, dv] when given (it may alias `state`'s storage: state is read first).
+    The two state products are one `bmm` each over the B * H heads (what `matmul` of the [..., 1, dk] rows
+    reduces to, without its broadcasting work).
     """
+    B, H, dk = k.shape
+    dv = v.shape[-1]
     s = state * g.exp()[..., None, None]  # [B, H, dk, dv]
-    u = (k.unsqueeze(-2) @ s).squeeze(-2)  # [B, H, dv]
+    u = torch.bmm(k.reshape(B * H, 1, dk), s.view(B * H, dk, dv)).view(B, H, dv)
     delta = beta[..., None] * (v - u)  # [B, H, dv]
     s = torch.add(s, k.unsqueeze(-1) * delta.unsqueeze(-2), out=out)  # [B, H, dk, dv]
-    o = (q.unsqueeze(-2) @ s).squeeze(-2)  # [B, H, dv]
+    o = torch.bmm(q.reshape(B * H, 1, dk), s.reshape(B * H, dk, dv)).view(B, H, dv)
     return o, s
 
 

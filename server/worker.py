@@ -364,10 +364,11 @@ class Worker(Drainable):
             if a is None:
                 continue
             job = a.job
-            delta = sess.telem.delta_since(a.seen)
-            a.seen = sess.telem.copy()
-            step_telem.merge(delta)
-            job.telem.merge(delta)
+            if sess.telem.rounds != a.seen.rounds:  # telemetry moves with verify rounds only (not plain steps)
+                delta = sess.telem.delta_since(a.seen)
+                a.seen = sess.telem.copy()
+                step_telem.merge(delta)
+                job.telem.merge(delta)
             first = a.last_emit is None
             if first:
                 if job.index == 0:  # one TTFT sample per request: its first choice's first token
@@ -378,7 +379,8 @@ class Worker(Drainable):
             lps = list(sess.logprobs[len(sess.emitted) - len(new_ids):]) if job.logprobs is not None else None
             plps = list(sess.prompt_logprobs) if first and job.prompt_logprobs is not None else None
             out.append((job, JobEvent(job.index, list(new_ids), lps, prompt_logprobs=plps)))
-        self.metrics.add_spec(step_telem)
+        if step_telem.rounds:
+            self.metrics.add_spec(step_telem)
         for sess in res.finished:
             a = self._active.get(sess)
             if a is None:

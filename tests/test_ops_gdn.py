@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from engine.model.ops import gdn_update as gu
-from engine.model.ops.gdn import gdn_chunked, gdn_recurrent, l2norm
+from engine.model.ops.gdn import UNFOLD_ROWS, causal_conv_window, gdn_chunked, gdn_recurrent, l2norm
 from tests.ops_util import DEVICE, DTYPES, assert_bitwise, assert_close, nans, needs_triton, rand
 
 S, W, NK, NV, DK, DV, C = 5, 4, 2, 4, 16, 32, 200  # GVA r = 2; DV spans one 32-wide block, C two 128 blocks
@@ -35,6 +35,34 @@ def _pool(shape, dtype, g):
 
 def _idx():
     return torch.tensor(SLOT, device=DEVICE), torch.tensor(CUR, device=DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("B,T", [(1, 1), (1, UNFOLD_ROWS), (UNFOLD_ROWS, 1), (2, UNFOLD_ROWS), (3, 37)])
+def test_causal_conv_is_the_tap_by_tap_sum_for_every_shape(dtype, B, T):
+    """Both forms of `causal_conv_window` (unfolded taps up to UNFOLD_ROWS tokens, slices above) give bitwise the
+    products summed tap by tap in order, for every token; so a token's output never depends on B or T."""
+    g = torch.Generator().manual_seed(B * 100 + T)
+    Cc, kc = 48, 4
+    x = torch.randn(B, Cc, T, generator=g, dtype=dtype)
+    x[0, :5] = 0.0  # all-zero products from token 3 on: -0.0 each (w < 0), and their sum's sign must match too
+    state = torch.randn(B, Cc, kc - 1, generator=g, dtype=dtype)
+    w = torch.randn(Cc, kc, generator=g, dtype=dtype)
+    w[:5] = -w[:5].abs()
+    y, window = causal_conv_window(x, state, w)
+    y3, _ = causal_conv_window(x, state, w[:, None, :])  # the conv module's own [C, 1, Kc] weight
+    win = torch.cat([state, x], dim=-1)
+    for t in range(T):
+        acc = win[..., t] * w[:, 0]
+        for j in range(1, kc):
+            acc = acc + win[..., t + j] * w[:, j]
+        want = torch.nn.functional.silu(acc)  # [B, C]
+        assert_bitwise(y[..., t], want, f"token {t}")
+        assert torch.equal(y[..., t].signbit(), want.signbit()), f"token {t}: the sign of a zero differs"
+        assert_bitwise(y3[..., t], want, f"token {t} ([C, 1, Kc] weight)")
+        one, _ = causal_conv_window(x[..., t:t + 1], win[..., t:t + kc - 1], w)  # the token alone (T = 1)
+        assert_bitwise(one[..., 0], want, f"token {t} alone")
+    assert_bitwise(window, win, "window")
 
 
 def test_twin_is_the_recurrence():

@@ -13,6 +13,10 @@ import torch.nn.functional as F
 
 from .norm import as_dtype, const
 
+#: `causal_conv_window` takes the unfolded-taps form up to this many tokens (rows x T) and slices per tap above;
+#: both compute every output from the same products summed in the same order, so the bits are the same
+UNFOLD_ROWS = 8
+
 
 def causal_conv_window(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal depthwise conv1d + SiLU over new inputs with a carried window.
@@ -23,13 +27,18 @@ def causal_conv_window(x: torch.Tensor, state: torch.Tensor, weight: torch.Tenso
     window[..., t+1 : t+Kc]. The sum is an explicit, fixed-order sum over taps (((p0 + p1) + p2) + ...), so
     every T gives bitwise the same per-token result.
     """
-    kc = weight.shape[-1]
+    kc, (B, _, T) = weight.shape[-1], x.shape
     window = torch.cat([as_dtype(state, x.dtype), x], dim=-1)  # [B, C, Kc-1+T]
     w = weight if weight.dim() == 3 else weight[:, None, :]  # [C, 1, Kc]
-    taps = (window.unfold(-1, kc, 1) * w).unbind(-1)  # Kc x [B, C, T]: tap j's products of every token
-    acc = taps[0]
-    for j in range(1, kc):
-        acc = acc + taps[j]
+    if B * T <= UNFOLD_ROWS:  # decode / verify: one product over the unfolded taps (few ops)
+        taps = (window.unfold(-1, kc, 1) * w).unbind(-1)  # Kc x [B, C, T] (strided): tap j of every token
+        acc = taps[0]
+        for j in range(1, kc):
+            acc = acc + taps[j]
+    else:  # many tokens: contiguous slices per tap (strided taps would cost more than the ops they save)
+        acc = window[..., 0:T] * w[..., 0]
+        for j in range(1, kc):
+            acc = acc + window[..., j:j + T] * w[..., j]
     return F.silu(acc), window
 
 
@@ -46,16 +55,12 @@ def gdn_recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     q, k: [B, H, dk] (l2-normed; q already scaled by dk^-0.5); v: [B, H, dv]; g (log decay <= 0), beta: [B, H];
     state: [B, H, dk, dv] fp32. All math in fp32. Returns (o [B, H, dv] fp32, new state [B, H, dk, dv]); the new
     state is written into `out` [B, H, dk, dv] when given (it may alias `state`'s storage: state is read first).
-    The two state products are one `bmm` each over the B * H heads (what `matmul` of the [..., 1, dk] rows
-    reduces to, without its broadcasting work).
     """
-    B, H, dk = k.shape
-    dv = v.shape[-1]
     s = state * g.exp()[..., None, None]  # [B, H, dk, dv]
-    u = torch.bmm(k.reshape(B * H, 1, dk), s.view(B * H, dk, dv)).view(B, H, dv)
+    u = (k.unsqueeze(-2) @ s).squeeze(-2)  # [B, H, dv]
     delta = beta[..., None] * (v - u)  # [B, H, dv]
     s = torch.add(s, k.unsqueeze(-1) * delta.unsqueeze(-2), out=out)  # [B, H, dk, dv]
-    o = torch.bmm(q.reshape(B * H, 1, dk), s.reshape(B * H, dk, dv)).view(B, H, dv)
+    o = (q.unsqueeze(-2) @ s).squeeze(-2)  # [B, H, dv]
     return o, s
 
 

@@ -26,7 +26,7 @@ def test_norm_twins_are_the_model_modules(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_written_out_rms_is_torchs_rms_norm_bit_for_bit(dtype):
-    """The twins spell torch's CPU rms_norm out as five ops (it is faster so); the numbers must not move (CPU: a
+    """The twins spell torch's CPU rms_norm out op by op (it is faster so); the numbers must not move (CPU: a
     GPU's F.rms_norm is a fused kernel with its own rounding)."""
     g = torch.Generator().manual_seed(10)
     for shape in [(1, 1, 256), (4, 3, 48), (8, 4, 4, 32), (2, 17, 1024)]:

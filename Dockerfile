@@ -14,6 +14,13 @@
 ARG VARIANT=cpu
 
 FROM python:3.11-slim-bookworm AS base-cpu
+# A C compiler for nextn's CPU kernel (engine/model/ops/cpu_gdn.c, built on first start; without one the GDN
+# token step runs as torch ops, ~1.5x slower per token on a small model: bench/RESULTS.md).
+# Unpinned: the versions are whatever this pinned base release's Debian archive carries.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 
 # The CUDA libraries come with torch as pip wheels; the base adds the driver hookup (NVIDIA_* variables,
 # the CUDA >= 13.0 driver requirement that PyPI's torch 2.13.0 wheels are built for). Ubuntu ships no Python

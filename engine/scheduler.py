@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache import StatePool, pool_bytes
+from .cache import GdnPool, StatePool, pool_bytes
 from .graphs import EAGER, GraphRunner, StepRunner, graph_buckets, padding_rows
+from .model.ops import cpu
 from .model.ops import dispatch as ops
 from .model.qwen35 import Qwen35ForCausalLM
 from .spec import PREFILL_CHUNK, SpecSession, prefill_rows, spec_round
@@ -97,9 +98,10 @@ class Scheduler:
         """One line: what the state pool reserved."""
         mib = {k: v / 2**20 for k, v in self.reserved.items()}
         p = self.pool
+        kernel = cpu.describe(p.device, p.dtype) if any(isinstance(c, GdnPool) for c in p.layers) else None
         return (f"state pool: {p.slots} slots x {p.capacity} positions, {p.window} GDN state slots each: "
                 f"KV {mib['kv']:.1f} MiB, GDN {mib['gdn']:.1f} MiB, MTP {mib['mtp']:.1f} MiB "
-                f"({sum(mib.values()):.1f} MiB on {p.device})")
+                f"({sum(mib.values()):.1f} MiB on {p.device})" + (f"; {kernel}" if kernel else ""))
 
     @property
     def has_room(self) -> bool:

@@ -55,6 +55,7 @@ class EngineSetup:
     device: str
     dtype: str | None  # None: the checkpoint's / the device's default
     cpu_threads: int | None
+    cpu_kernel: bool
     log_level: str
     k: int
     p_min: float
@@ -210,6 +211,9 @@ def _engine_main(setup: EngineSetup, cmds: Connection, out: Connection) -> None:
 
     if setup.device == "cpu" and setup.cpu_threads is not None:
         torch.set_num_threads(setup.cpu_threads)
+    from engine.model.ops import cpu
+
+    cpu.set_enabled(setup.cpu_kernel)
     try:
         model = load_model(setup.model_dir, device=setup.device, dtype=setup.dtype, progress=True)
     except (ConfigError, CheckpointError, ValueError, OSError) as e:  # as `nextn serve` words a failed load

@@ -6,12 +6,18 @@ thread of the test process, so tests can reach the worker (`.worker.num_active`)
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
+import signal
 import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -56,6 +62,29 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+NEXTN = [sys.executable, "-c", "import sys; from server.cli import main; sys.exit(main())"]
+
+
+@contextlib.contextmanager
+def nextn_serve(*args: str, env: dict[str, str] | None = None) -> Iterator[tuple[str, list[str]]]:
+    """`nextn serve ARGS --port P` as a real process (one torch thread): yields (base url, stderr lines), the
+    lines filled in after the block, once the server drained on SIGTERM and exited 0 (it is killed if not)."""
+    port = free_port()
+    proc = subprocess.Popen(NEXTN + ["serve", *args, "--port", str(port)], cwd=Path(__file__).resolve().parents[1],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    base, lines = f"http://127.0.0.1:{port}", []
+    try:
+        assert wait_until(lambda: http_ready(base), timeout=60), "server did not become ready"
+        yield base, lines
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        lines += proc.communicate()[1].splitlines()
 
 
 def wait_until(predicate: Any, timeout: float = 10.0, interval: float = 0.02) -> bool:

@@ -16,8 +16,9 @@ import pytest
 from pydantic import ValidationError
 
 from config.settings import DEFAULT_CONFIG_FILE, REPO_ROOT, ServeSettings, SettingsError, load_settings, resolve
+from engine.model.ops import cpu
 from server.cli import build_parser, settings_from_args
-from tests.server_fixtures import free_port, http_ready, tiny_checkpoint, wait_until
+from tests.server_fixtures import free_port, http_ready, nextn_serve, tiny_checkpoint, wait_until
 
 NEXTN = [sys.executable, "-c", "import sys; from server.cli import main; sys.exit(main())"]
 
@@ -186,3 +187,13 @@ def test_sigterm_drains_then_exits_zero():
     stderr = proc.stderr.read()
     startup = [line for line in stderr.splitlines() if "nextn serving" in line]
     assert len(startup) == 1 and f"model=tiny device=cpu dtype=float32 K=3 url={base}" in startup[0]
+    if cpu.available():  # the engine process built (or found) the C kernel and says so at startup
+        assert "GDN token step: C kernel" in stderr, stderr
+
+
+def test_no_cpu_kernel_reaches_the_engine_process_and_serves():
+    with nextn_serve(str(tiny_checkpoint()), "--no-cpu-kernel") as (base, stderr):
+        r = httpx.post(base + "/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 8,
+                                                       "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+    assert any("GDN token step: torch ops (--no-cpu-kernel)" in line for line in stderr), stderr

@@ -36,6 +36,7 @@ from torch import nn
 from .config import Qwen35Config
 from .moe import MLP, SparseMoeBlock
 from .ops import dispatch as ops
+from .ops import cpu
 from .ops.gdn import causal_conv_window, gdn_chunked, gdn_recurrent_step, l2norm
 from .ops.norm import as_dtype, const
 
@@ -369,12 +370,22 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, ctx: FwdCtx | None, st: "GdnPool | None") -> torch.Tensor:
         """x: [N, T, H] -> [N, T, H]. Without `ctx`: zero initial state, chunked form. With `ctx`: conv and
         recurrent state read from window slot read_i of row i's pool slot; recording forwards run the recurrent
-        step per token and write every per-position state, others write the final state (see `FwdCtx`)."""
+        step per token and write every per-position state, others write the final state (see `FwdCtx`). On a CPU,
+        for fp32 and when ops/cpu.py's C kernel is built, those recurrent steps (recording, or one token) run as
+        that one fused call from the input projection to the gated norm; prefill chunks keep the chunked form."""
         N, T, _ = x.shape
         dt = x.dtype
         sdt = torch.float64 if dt == torch.float64 else torch.float32
         if self._w_in is not None:
-            qkv, z, b, a = linear(x, self._w_in).split(self._split, dim=-1)
+            proj = linear(x, self._w_in)  # [N, T, C + nv*dv + 2 nv]
+            if (ctx is not None and st is not None and not ctx.kernels and (ctx.record or T == 1)
+                    and ctx.lens is None and cpu.usable(proj, self.kc)):  # the fused C step (ops/cpu.py)
+                assert ctx.slots is not None and ctx.read is not None and ctx.write0 is not None
+                o = cpu.gdn_step(proj, self.conv1d.weight[:, 0, :], st.conv, st.rec, ctx.slots, ctx.read,
+                                 ctx.write0, *self._decay_consts(), self.norm.weight, self.norm.eps, self.nk,
+                                 self.dk, self.nv, self.dv)  # [N, T, nv*dv]
+                return linear(o, self.out_proj.weight)
+            qkv, z, b, a = proj.split(self._split, dim=-1)
         else:
             qkv, z, b, a = (linear(x, m.weight) for m in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b,
                                                           self.in_proj_a))

@@ -1,0 +1,110 @@
+/* nextn CPU kernel: one Gated DeltaNet token step per (row, token), fused from the input projection's output to
+ * the gated RMSNorm's output, over the state pool (engine/model/ops/cpu.py builds and calls it; its torch twin
+ * is the model's torch path, engine/model/qwen35.py GatedDeltaNet.forward).
+ *
+ * Per row i and token t (t = 0..T-1, in order):
+ *   conv:  window = [state_c[0..Kc-2], x_t[c]]; acc = ((w0*win0 + w1*win1) + w2*win2) + ...; y = silu(acc);
+ *          the new state is window[1..Kc-1]
+ *   q, k:  l2-normalised per key head (eps 1e-6), q times dk^-1/2; value head h reads key head h / (nv / nk)
+ *   gates: beta = sigmoid(b), decay = exp(-exp(A_log) * softplus(a + dt_bias))
+ *   rule:  S <- decay * S; u = S^T k; delta = beta * (v - u); S <- S + k delta^T; o = S^T q
+ *   norm:  out = w * (o * rsqrt(mean(o^2) + eps)) * silu(z), per value head
+ * Token 0 reads the state in window slot read[i] of pool slot slots[i]; the state after token t is written to
+ * window slot write0[i] + t (it may be slot read[i]: every state element is read before it is written).
+ *
+ * Every (row, token) runs the same code in the same order whatever N and T are, and no sum is reordered
+ * (compiled without -ffast-math, with -ffp-contract=off), so a row's bits never depend on the batch or on T.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_KC 16
+
+static inline float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
+static inline float softplusf_(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+
+/* y = x * rsqrt(sum(x^2) + eps) over n */
+static void l2norm_(const float *x, float *y, int64_t n, float scale) {
+    float ss = 0.0f;
+    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+    float r = 1.0f / sqrtf(ss + 1e-6f);
+    for (int64_t i = 0; i < n; i++) y[i] = (x[i] * r) * scale;
+}
+
+int nextn_gdn_step_f32(int64_t N, int64_t T, const float *proj, int64_t proj_row, const float *convw,
+                       float *conv, int64_t conv_slot, int64_t conv_win, float *rec, int64_t rec_slot,
+                       int64_t rec_win, const int64_t *slots, const int64_t *read, const int64_t *write0,
+                       const float *neg_a, const float *dt_bias, const float *norm_w, float norm_eps,
+                       int64_t C, int64_t Kc, int64_t nk, int64_t dk, int64_t nv, int64_t dv, float *out) {
+    if (Kc < 1 || Kc > MAX_KC || nk < 1 || nv % nk != 0) return 1;
+    const int64_t Kd = nk * dk, r = nv / nk, S1 = Kc - 1, zoff = C, boff = C + nv * dv, aoff = boff + nv;
+    const float qscale = 1.0f / sqrtf((float)dk);
+    float *y = malloc(sizeof(float) * (size_t)(C + 2 * Kd + 3 * dv));
+    if (!y) return 2;
+    float *qn = y + C, *kn = qn + Kd, *u = kn + Kd, *o = u + dv, *delta = o + dv;
+    for (int64_t i = 0; i < N; i++) {
+        for (int64_t t = 0; t < T; t++) {
+            const float *xp = proj + (i * T + t) * proj_row;
+            const int64_t src_w = t == 0 ? read[i] : write0[i] + t - 1, dst_w = write0[i] + t;
+            const float *cs = conv + slots[i] * conv_slot + src_w * conv_win;
+            float *cd = conv + slots[i] * conv_slot + dst_w * conv_win;
+            for (int64_t c = 0; c < C; c++) {
+                float win[MAX_KC];
+                memcpy(win, cs + c * S1, sizeof(float) * (size_t)S1);
+                win[S1] = xp[c];
+                const float *w = convw + c * Kc;
+                float acc = win[0] * w[0];
+                for (int64_t j = 1; j < Kc; j++) acc = acc + win[j] * w[j];
+                y[c] = acc * sigmoidf_(acc);
+                memcpy(cd + c * S1, win + 1, sizeof(float) * (size_t)S1);
+            }
+            for (int64_t h = 0; h < nk; h++) {
+                l2norm_(y + h * dk, qn + h * dk, dk, qscale);
+                l2norm_(y + Kd + h * dk, kn + h * dk, dk, 1.0f);
+            }
+            const float *rs = rec + slots[i] * rec_slot + src_w * rec_win;
+            float *rd = rec + slots[i] * rec_slot + dst_w * rec_win;
+            float *op = out + (i * T + t) * nv * dv;
+            for (int64_t h = 0; h < nv; h++) {
+                const float *q = qn + (h / r) * dk, *k = kn + (h / r) * dk, *v = y + 2 * Kd + h * dv;
+                const float beta = sigmoidf_(xp[boff + h]);
+                const float decay = expf(neg_a[h] * softplusf_(xp[aoff + h] + dt_bias[h]));
+                const float *s0 = rs + h * dk * dv;
+                float *s = rd + h * dk * dv;
+                for (int64_t j = 0; j < dv; j++) u[j] = 0.0f;
+                for (int64_t a = 0; a < dk; a++) {
+                    const float ka = k[a];
+                    for (int64_t j = 0; j < dv; j++) {
+                        const float sv = s0[a * dv + j] * decay;
+                        s[a * dv + j] = sv;
+                        u[j] = u[j] + sv * ka;
+                    }
+                }
+                for (int64_t j = 0; j < dv; j++) {
+                    delta[j] = beta * (v[j] - u[j]);
+                    o[j] = 0.0f;
+                }
+                for (int64_t a = 0; a < dk; a++) {
+                    const float ka = k[a], qa = q[a];
+                    for (int64_t j = 0; j < dv; j++) {
+                        const float sv = s[a * dv + j] + ka * delta[j];
+                        s[a * dv + j] = sv;
+                        o[j] = o[j] + sv * qa;
+                    }
+                }
+                float ss = 0.0f;
+                for (int64_t j = 0; j < dv; j++) ss += o[j] * o[j];
+                const float rn = 1.0f / sqrtf(ss / (float)dv + norm_eps);
+                const float *z = xp + zoff + h * dv;
+                for (int64_t j = 0; j < dv; j++) {
+                    const float zj = z[j];
+                    op[h * dv + j] = (norm_w[j] * (o[j] * rn)) * (zj * sigmoidf_(zj));
+                }
+            }
+        }
+    }
+    free(y);
+    return 0;
+}

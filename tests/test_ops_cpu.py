@@ -1,0 +1,139 @@
+"""The CPU kernel (engine/model/ops/cpu.py, cpu_gdn.c) against its torch twin, the model's GDN torch path."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.loader import load_model
+from engine.cache import StatePool
+from engine.model.ops import cpu
+from engine.model.qwen35 import FwdCtx
+from tests.ops_util import assert_bitwise
+from tests.tiny import make_checkpoint
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C compiler: the CPU kernel is not built")
+
+S, W = 5, 8  # pool slots, GDN window slots
+
+
+@pytest.fixture(scope="module")
+def layer_and_cfg(tmp_path_factory):
+    # two key heads serving four value heads (q, k repeated), Kc = 4
+    ck = make_checkpoint(tmp_path_factory.mktemp("cpu"), seed=11, mtp=False, with_tokenizer=False,
+                         hidden_size=64, num_hidden_layers=2, linear_num_key_heads=2, linear_num_value_heads=4,
+                         linear_key_head_dim=16, linear_value_head_dim=8)
+    model = load_model(ck)
+    idx = model.config.layer_types.index("linear_attention")
+    gdn = model.model.layers[idx].linear_attn
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # every constant non-trivial: the norm weight, the decay's A_log and dt_bias
+        gdn.norm.weight.copy_(torch.randn(gdn.dv, generator=g))
+        gdn.A_log.copy_(torch.randn(gdn.nv, generator=g))
+        gdn.dt_bias.copy_(torch.randn(gdn.nv, generator=g))
+    gdn._decay = None
+    gdn._decay = gdn._decay_consts()
+    return gdn, model.config, idx
+
+
+def _pool(cfg, idx, seed):
+    pool = StatePool(cfg, S, 64, W, mtp=False)
+    st = pool.layers[idx]
+    g = torch.Generator().manual_seed(seed)
+    st.conv.copy_(torch.randn(st.conv.shape, generator=g))
+    st.rec.copy_(torch.randn(st.rec.shape, generator=g) * 0.3)
+    return st
+
+
+def _run(gdn, cfg, st, x, slots, read, write0, record, kernel):
+    prev = cpu.set_enabled(kernel)
+    try:
+        N, T, _ = x.shape
+        ctx = FwdCtx.make(cfg, "cpu", torch.float32, slots, [10] * N, read, write0, T, record)
+        with torch.inference_mode():
+            return gdn(x, ctx, st)
+    finally:
+        cpu.set_enabled(prev)
+
+
+@pytest.mark.parametrize("N,T", [(1, 1), (1, 4), (3, 1), (3, 5)])
+def test_kernel_matches_torch_twin_and_writes_every_state(layer_and_cfg, N, T):
+    gdn, cfg, idx = layer_and_cfg
+    slots, read, write0 = [3, 0, 4][:N], [7, 1, 0][:N], [0, 2, 1][:N]  # slots out of order; read outside writes
+    x = torch.randn(N, T, cfg.hidden_size, generator=torch.Generator().manual_seed(N * 10 + T))
+    st_k, st_t = _pool(cfg, idx, 1), _pool(cfg, idx, 1)
+    before = (st_k.conv.clone(), st_k.rec.clone())
+    for s, w in zip(slots, write0):  # NaN-poison every window slot the kernel must write
+        st_k.conv[s, w:w + T] = float("nan")
+        st_k.rec[s, w:w + T] = float("nan")
+    y_k = _run(gdn, cfg, st_k, x, slots, read, write0, True, True)
+    y_t = _run(gdn, cfg, st_t, x, slots, read, write0, True, False)
+    torch.testing.assert_close(y_k, y_t, rtol=1e-5, atol=1e-5)
+    for s, w in zip(slots, write0):
+        assert not st_k.conv[s, w:w + T].isnan().any() and not st_k.rec[s, w:w + T].isnan().any()
+        torch.testing.assert_close(st_k.rec[s, w:w + T], st_t.rec[s, w:w + T], rtol=1e-5, atol=1e-5)
+        assert_bitwise(st_k.conv[s, w:w + T], st_t.conv[s, w:w + T], "conv windows (copies of raw inputs)")
+    untouched = torch.ones(S, W, dtype=torch.bool)
+    for s, w in zip(slots, write0):
+        untouched[s, w:w + T] = False
+    assert_bitwise(st_k.conv[untouched], before[0][untouched], "window slots the step does not own")
+    assert_bitwise(st_k.rec[untouched], before[1][untouched], "window slots the step does not own")
+
+
+def _step(gdn, st, proj, slots, read, write0):
+    return cpu.gdn_step(proj, gdn.conv1d.weight[:, 0, :], st.conv, st.rec, slots, read, write0,
+                        *gdn._decay_consts(), gdn.norm.weight, gdn.norm.eps, gdn.nk, gdn.dk, gdn.nv, gdn.dv)
+
+
+def test_kernel_is_batch_and_T_invariant_bitwise(layer_and_cfg):
+    """A row's outputs and states: the same bits alone or in a batch, and as one T-token verify or T single-token
+    decodes (each reading the previous token's slot) -- what spec == plain greedy rests on. (The kernel's own
+    input and output: the projections around it are torch GEMMs, whose bits may depend on the row count.)"""
+    gdn, cfg, idx = layer_and_cfg
+    T = 4
+    proj = torch.randn(3, T, gdn._w_in.shape[0], generator=torch.Generator().manual_seed(7))
+    st_b, st_a, st_1 = _pool(cfg, idx, 2), _pool(cfg, idx, 2), _pool(cfg, idx, 2)
+    y_b = _step(gdn, st_b, proj, [0, 2, 4], [3, 3, 5], [0, 0, 0])
+    y_a = _step(gdn, st_a, proj[1:2], [2], [3], [0])
+    assert_bitwise(y_a[0], y_b[1], "row alone vs in the batch")
+    assert_bitwise(st_a.rec[2, :T], st_b.rec[2, :T], "row's states alone vs in the batch")
+    read = 3
+    for t in range(T):  # plain decode: one token reads the live slot and writes the next
+        y1 = _step(gdn, st_1, proj[1:2, t:t + 1], [2], [read], [t])
+        assert_bitwise(y1[0, 0], y_b[1, t], f"token {t}: one-token step vs the {T}-token forward")
+        read = t
+    assert_bitwise(st_1.rec[2, :T], st_b.rec[2, :T], "states of single-token steps vs the T-token forward")
+    assert_bitwise(st_1.conv[2, :T], st_b.conv[2, :T], "conv windows of single-token steps vs the T-token forward")
+
+
+def test_non_recording_step_updates_the_live_slot_in_place(layer_and_cfg):
+    gdn, cfg, idx = layer_and_cfg
+    x = torch.randn(2, 1, cfg.hidden_size, generator=torch.Generator().manual_seed(9))
+    st_k, st_t = _pool(cfg, idx, 4), _pool(cfg, idx, 4)
+    y_k = _run(gdn, cfg, st_k, x, [1, 3], [2, 4], [2, 4], False, True)  # read == write: in place
+    y_t = _run(gdn, cfg, st_t, x, [1, 3], [2, 4], [2, 4], False, False)
+    torch.testing.assert_close(y_k, y_t, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(st_k.rec, st_t.rec, rtol=1e-5, atol=1e-5)
+    assert_bitwise(st_k.conv, st_t.conv, "conv pool")
+
+
+def test_bad_pool_indices_raise_instead_of_writing_past_the_pool(layer_and_cfg):
+    gdn, cfg, idx = layer_and_cfg
+    st = _pool(cfg, idx, 5)
+    x = torch.randn(1, 3, cfg.hidden_size)
+    with pytest.raises(IndexError):
+        _run(gdn, cfg, st, x, [1], [0], [W - 2], True, True)  # tokens 1, 2 would land past the window
+    with pytest.raises(IndexError):
+        _run(gdn, cfg, st, x[:, :1], [S], [0], [0], True, True)
+
+
+def test_without_a_compiler_the_torch_path_runs(layer_and_cfg, monkeypatch):
+    gdn, cfg, idx = layer_and_cfg
+    monkeypatch.setattr(cpu, "_tried", False)
+    monkeypatch.setattr(cpu, "_lib", None)
+    monkeypatch.setattr(cpu.shutil, "which", lambda name: None)
+    assert not cpu.available()
+    called = []
+    monkeypatch.setattr(cpu, "gdn_step", lambda *a, **k: called.append(1))
+    x = torch.randn(1, 2, cfg.hidden_size)
+    y = _run(gdn, cfg, _pool(cfg, idx, 6), x, [0], [0], [1], True, True)
+    assert not called and y.shape == x.shape and not y.isnan().any()

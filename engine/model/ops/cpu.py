@@ -159,7 +159,8 @@ def gdn_step(proj: torch.Tensor, conv_w: torch.Tensor, conv: torch.Tensor, rec: 
     C, kc = conv_w.shape
     assert proj.dtype == conv.dtype == rec.dtype == torch.float32 and P == C + nv * dv + 2 * nv
     assert conv.shape[2:] == (C, kc - 1) and rec.shape[2:] == (nv, dk, dv)
-    assert conv[0, 0].is_contiguous() and rec[0, 0].is_contiguous() and conv_w.is_contiguous()
+    assert conv.stride()[2:] == (kc - 1, 1) and rec.stride()[2:] == (dk * dv, dv, 1), "pool slots not contiguous"
+    assert conv_w.stride() == (kc, 1), "conv weight not contiguous"
     S, W = conv.shape[:2]
     assert rec.shape[:2] == (S, W) and len(slots) == len(read) == len(write0) == N
     for s_, r_, w_ in zip(slots, read, write0):  # the C code trusts these: check them here

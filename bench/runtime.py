@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from engine.commands import DEFAULT_BENCH_PROMPTS  # noqa: E402
 from engine.loader import load_model  # noqa: E402
+from engine.model.ops import cpu  # noqa: E402
 from engine.scheduler import Scheduler  # noqa: E402
 from engine.spec import SpecSession  # noqa: E402
 from engine.tokenizer import Tokenizer  # noqa: E402
@@ -216,9 +217,12 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--no-cpu-kernel", action="store_true", help="torch ops for the GDN step (servers and engine)")
     args = ap.parse_args()
     dev = args.device
     torch.set_num_threads(1)
+    cpu.set_enabled(not args.no_cpu_kernel)
+    extra = ["--no-cpu-kernel"] if args.no_cpu_kernel else []
     n, rep = args.tokens, args.repeat
     tok = Tokenizer.from_dir(DEMO)
     chats = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}], enable_thinking=False))
@@ -229,8 +233,8 @@ def main() -> int:
     prompt = list(range(10, 42))
     hf = HfPeer(ckpt, prompt, n, dev)
     load0 = os.getloadavg()
-    servers = {"k3": Server(DEMO, k=3, device=dev), "k0": Server(DEMO, k=0, device=dev),
-               "hf256": Server(ckpt, k=0, device=dev)}
+    servers = {"k3": Server(DEMO, k=3, device=dev, extra=extra), "k0": Server(DEMO, k=0, device=dev, extra=extra),
+               "hf256": Server(ckpt, k=0, device=dev, extra=extra)}
     figs: dict[str, float] = {}
     try:
         models = {name: srv.model_id() for name, srv in servers.items()}
@@ -251,9 +255,11 @@ def main() -> int:
             srv.close()
     load1 = os.getloadavg()
     f = figs
-    out = [f"`.venv/bin/python bench/runtime.py --tokens {n} --repeat {rep} --device {dev}` (demo model, greedy, "
-           f"ignore_eos, {n} tokens per client, interleaved, best of {rep}, one torch thread; load average "
-           f"{load0[0]:.2f} before, {load1[0]:.2f} after)", "",
+    flag = " --no-cpu-kernel" if args.no_cpu_kernel else ""
+    out = [f"`.venv/bin/python bench/runtime.py --tokens {n} --repeat {rep} --device {dev}{flag}` (demo model, "
+           f"greedy, ignore_eos, {n} tokens per client, interleaved, best of {rep}, one torch thread; "
+           f"{cpu.describe(dev, demo.config.dtype) or 'GPU'}; load average {load0[0]:.2f} before, {load1[0]:.2f} "
+           f"after)", "",
            "| measurement | tokens/s | ratio | goal |", "|---|---|---|---|",
            f"| server, 1 streaming client, K=3 | {f['one_k3']:.1f} | | |",
            f"| server, 8 concurrent streaming clients, K=3 (aggregate) | {f['eight_k3']:.1f} | "

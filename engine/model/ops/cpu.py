@@ -46,14 +46,14 @@ _why = ""  # why the kernel is unavailable (set by a failed build)
 
 
 def _cache_dir() -> Path:
-    d = Path.home() / ".cache" / "nextn" / "kernels"
     try:
+        d = Path.home() / ".cache" / "nextn" / "kernels"  # RuntimeError: no home directory (an unknown uid)
         d.mkdir(parents=True, exist_ok=True)
         probe = d / f".probe-{os.getpid()}"
         probe.touch()
         probe.unlink()
         return d
-    except OSError:
+    except (OSError, RuntimeError):
         return Path(tempfile.mkdtemp(prefix="nextn-kernels-"))
 
 
@@ -93,7 +93,7 @@ def _build() -> ctypes.CDLL | None:
     fn.argtypes = [i64, i64, ptr, i64, ptr, ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr,
                    ctypes.c_float, i64, i64, i64, i64, i64, i64, ptr]
     fn.restype = ctypes.c_int
-    log.info("CPU kernel built: %s", so)
+    log.info("CPU kernel ready: %s", so)
     return lib
 
 

@@ -9,6 +9,7 @@ import torch
 
 from engine.cache import ModelCache
 from engine.loader import load_model
+from engine.model.ops import cpu
 from engine.spec import SPEC_TELEM_POS, SpecSampling, SpecSession, SpecTelemetry, generate_spec, prefill
 from tests.tiny import make_checkpoint
 
@@ -48,15 +49,28 @@ def forced_drafter(ref, plen, V, seed, wrong_rate=0.3):
     return override
 
 
-def test_spec_equals_plain_greedy_every_k(model):
-    V = model.config.vocab_size
-    for prompt in _prompts(V)[::2]:
+def _spec_equals_plain_every_k(model, prompts):
+    for prompt in prompts:
         ref, _ = generate_spec(model, prompt, N_NEW, k=0)
         assert len(ref) == N_NEW
         for k in range(1, 9):
             out, tel = generate_spec(model, prompt, N_NEW, k=k, capmax=8)
             assert out == ref, f"k={k}"
             assert tel.rounds > 0 and tel.drafted >= tel.rounds
+
+
+def test_spec_equals_plain_greedy_every_k(model):
+    _spec_equals_plain_every_k(model, _prompts(model.config.vocab_size)[::2])
+
+
+def test_spec_equals_plain_greedy_every_k_on_torch_ops(model32):
+    """fp32 on a CPU runs the GDN token step as the C kernel when it is built (ops/cpu.py); its torch twin (no
+    compiler, --no-cpu-kernel, CUDA without triton) must be exact too."""
+    prev = cpu.set_enabled(False)
+    try:
+        _spec_equals_plain_every_k(model32, _prompts(model32.config.vocab_size)[1:2])
+    finally:
+        cpu.set_enabled(prev)
 
 
 def test_forced_drafter_exercises_every_n_acc(model32):

@@ -45,14 +45,25 @@ def _pool(cfg, idx, seed):
 
 
 def _run(gdn, cfg, st, x, slots, read, write0, record, kernel):
-    prev = cpu.set_enabled(kernel)
+    """The layer's forward over the pool, with the kernel on (it must run: counted) or off."""
+    prev, calls = cpu.set_enabled(kernel), []
+    real = cpu.gdn_step
+
+    def spy(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    cpu.gdn_step = spy
     try:
         N, T, _ = x.shape
         ctx = FwdCtx.make(cfg, "cpu", torch.float32, slots, [10] * N, read, write0, T, record)
         with torch.inference_mode():
-            return gdn(x, ctx, st)
+            y = gdn(x, ctx, st)
     finally:
+        cpu.gdn_step = real
         cpu.set_enabled(prev)
+    assert len(calls) == (1 if kernel else 0), "the kernel did not run" if kernel else "the kernel ran"
+    return y
 
 
 @pytest.mark.parametrize("N,T", [(1, 1), (1, 4), (3, 1), (3, 5)])
@@ -77,6 +88,18 @@ def test_kernel_matches_torch_twin_and_writes_every_state(layer_and_cfg, N, T):
         untouched[s, w:w + T] = False
     assert_bitwise(st_k.conv[untouched], before[0][untouched], "window slots the step does not own")
     assert_bitwise(st_k.rec[untouched], before[1][untouched], "window slots the step does not own")
+
+
+def test_verify_reading_a_slot_it_writes_matches_twin(layer_and_cfg):
+    """A verify's live slot can lie inside the window slots it writes (read 2, write 0..3): read first."""
+    gdn, cfg, idx = layer_and_cfg
+    x = torch.randn(1, 4, cfg.hidden_size, generator=torch.Generator().manual_seed(8))
+    st_k, st_t = _pool(cfg, idx, 3), _pool(cfg, idx, 3)
+    y_k = _run(gdn, cfg, st_k, x, [2], [2], [0], True, True)
+    y_t = _run(gdn, cfg, st_t, x, [2], [2], [0], True, False)
+    torch.testing.assert_close(y_k, y_t, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(st_k.rec, st_t.rec, rtol=1e-5, atol=1e-5)
+    assert_bitwise(st_k.conv, st_t.conv, "conv pool")
 
 
 def _step(gdn, st, proj, slots, read, write0):
@@ -126,14 +149,39 @@ def test_bad_pool_indices_raise_instead_of_writing_past_the_pool(layer_and_cfg):
         _run(gdn, cfg, st, x[:, :1], [S], [0], [0], True, True)
 
 
+def test_inconsistent_arguments_raise(layer_and_cfg):
+    gdn, cfg, idx = layer_and_cfg
+    st = _pool(cfg, idx, 5)
+    proj = torch.randn(2, 1, gdn._w_in.shape[0])
+    with pytest.raises(ValueError):  # two rows on one pool slot
+        _step(gdn, st, proj, [1, 1], [0, 0], [1, 1])
+    with pytest.raises(ValueError):  # a norm weight of the wrong length
+        cpu.gdn_step(proj, gdn.conv1d.weight[:, 0, :], st.conv, st.rec, [0, 1], [0, 0], [1, 1],
+                     *gdn._decay_consts(), gdn.norm.weight[:-1], gdn.norm.eps, gdn.nk, gdn.dk, gdn.nv, gdn.dv)
+    with pytest.raises(ValueError):  # a projection of the wrong width
+        _step(gdn, st, proj[..., :-1], [0, 1], [0, 0], [1, 1])
+
+
+def test_no_writable_directory_falls_back_to_torch(monkeypatch):
+    monkeypatch.setattr(cpu, "_tried", False)
+    monkeypatch.setattr(cpu, "_lib", None)
+
+    def read_only():
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(cpu, "_cache_dir", read_only)
+    assert not cpu.available() and cpu._tried and "Read-only" in cpu._why
+    assert "C kernel unavailable" in cpu.describe("cpu", torch.float32)
+
+
 def test_without_a_compiler_the_torch_path_runs(layer_and_cfg, monkeypatch):
     gdn, cfg, idx = layer_and_cfg
     monkeypatch.setattr(cpu, "_tried", False)
     monkeypatch.setattr(cpu, "_lib", None)
     monkeypatch.setattr(cpu.shutil, "which", lambda name: None)
     assert not cpu.available()
-    called = []
-    monkeypatch.setattr(cpu, "gdn_step", lambda *a, **k: called.append(1))
     x = torch.randn(1, 2, cfg.hidden_size)
-    y = _run(gdn, cfg, _pool(cfg, idx, 6), x, [0], [0], [1], True, True)
-    assert not called and y.shape == x.shape and not y.isnan().any()
+    with pytest.raises(AssertionError, match="the kernel did not run"):  # enabled, but nothing to run
+        _run(gdn, cfg, _pool(cfg, idx, 6), x, [0], [0], [1], True, True)
+    y = _run(gdn, cfg, _pool(cfg, idx, 6), x, [0], [0], [1], True, False)
+    assert y.shape == x.shape and not y.isnan().any()

@@ -20,6 +20,7 @@ kernel off for the process (the A/B benchmarks and the twin tests use it).
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -68,9 +69,13 @@ def _build() -> ctypes.CDLL | None:
     if cc is None:
         _unavailable("no C compiler (cc) on PATH")
         return None
-    src = SOURCE.read_bytes()
-    key = hashlib.sha256(src + " ".join(FLAGS).encode() + platform.machine().encode() + cc.encode()).hexdigest()[:16]
-    so = _cache_dir() / f"cpu_gdn-{key}.so"
+    try:  # no writable cache nor temporary directory (a read-only root file system), an unreadable source
+        src = SOURCE.read_bytes()
+        key = hashlib.sha256(src + " ".join(FLAGS).encode() + platform.machine().encode() + cc.encode()).hexdigest()
+        so = _cache_dir() / f"cpu_gdn-{key[:16]}.so"
+    except OSError as e:
+        _unavailable(f"no place to build it: {e}", logging.WARNING)
+        return None
     if not so.exists():
         tmp = so.with_name(f"{so.name}.{os.getpid()}.tmp")
         try:
@@ -91,7 +96,7 @@ def _build() -> ctypes.CDLL | None:
     fn = lib.nextn_gdn_step_f32
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [i64, i64, ptr, i64, ptr, ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr,
-                   ctypes.c_float, i64, i64, i64, i64, i64, i64, ptr]
+                   ctypes.c_float, ctypes.c_float, i64, i64, i64, i64, i64, i64, ptr]
     fn.restype = ctypes.c_int
     log.info("CPU kernel ready: %s", so)
     return lib
@@ -136,8 +141,14 @@ def describe(device: torch.device | str, dtype: torch.dtype) -> str | None:
 def usable(x: torch.Tensor, kc: int) -> bool:
     """Whether `gdn_step` takes this forward: fp32 CPU activations that need no gradient (the kernel has no
     backward), a supported conv width, the kernel available."""
-    return (x.dtype == torch.float32 and x.device.type == "cpu" and not x.requires_grad and 1 <= kc <= _MAX_KC
+    return (x.dtype == torch.float32 and x.device.type == "cpu" and not x.requires_grad and 2 <= kc <= _MAX_KC
             and available())
+
+
+@functools.lru_cache(maxsize=None)
+def _qscale(dk: int) -> float:
+    """dk^-1/2 as the fp32 number the torch path multiplies by (passed to C as that float)."""
+    return float(torch.tensor(dk ** -0.5, dtype=torch.float32))
 
 
 def _i64s(v: list[int]) -> ctypes.Array:
@@ -154,27 +165,36 @@ def gdn_step(proj: torch.Tensor, conv_w: torch.Tensor, conv: torch.Tensor, rec: 
     rec [S, W, nv, dk, dv] fp32 pools (each slot contiguous); neg_a = -exp(A_log), dt_bias, [nv]; norm_w [dv].
     Returns [N, T, nv * dv] fp32 (written into `out` when given: a contiguous buffer of that shape)."""
     lib = _get()
-    assert lib is not None and _enabled, "CPU kernel unavailable"
+    if lib is None or not _enabled:
+        raise RuntimeError("CPU kernel unavailable")
     N, T, P = proj.shape
     C, kc = conv_w.shape
-    assert proj.dtype == conv.dtype == rec.dtype == torch.float32 and P == C + nv * dv + 2 * nv
-    assert conv.shape[2:] == (C, kc - 1) and rec.shape[2:] == (nv, dk, dv)
-    assert conv.stride()[2:] == (kc - 1, 1) and rec.stride()[2:] == (dk * dv, dv, 1), "pool slots not contiguous"
-    assert conv_w.stride() == (kc, 1), "conv weight not contiguous"
     S, W = conv.shape[:2]
-    assert rec.shape[:2] == (S, W) and len(slots) == len(read) == len(write0) == N
-    for s_, r_, w_ in zip(slots, read, write0):  # the C code trusts these: check them here
+    f32 = torch.float32
+    # the C code trusts every size, stride and index it is given: check them all here (real raises, not asserts)
+    if not (proj.dtype == conv.dtype == rec.dtype == conv_w.dtype == neg_a.dtype == dt_bias.dtype == norm_w.dtype
+            == f32 and C == 2 * nk * dk + nv * dv and P == C + nv * dv + 2 * nv and 2 <= kc <= _MAX_KC
+            and conv.shape[2:] == (C, kc - 1) and rec.shape == (S, W, nv, dk, dv)
+            and conv.stride()[2:] == (kc - 1, 1) and rec.stride()[2:] == (dk * dv, dv, 1)
+            and conv_w.stride() == (kc, 1) and neg_a.shape == dt_bias.shape == (nv,) and norm_w.shape == (dv,)
+            and neg_a.stride() == dt_bias.stride() == norm_w.stride() == (1,)):
+        raise ValueError("gdn_step: inconsistent shapes, dtypes or layouts (see its docstring)")
+    if not len(slots) == len(read) == len(write0) == len(set(slots)) == N:
+        raise ValueError("gdn_step: one distinct pool slot, read and write slot per row")
+    for s_, r_, w_ in zip(slots, read, write0):
         if not (0 <= s_ < S and 0 <= r_ < W and 0 <= w_ and w_ + T <= W):
             raise IndexError(f"pool slot {s_} / window slots {r_}, {w_}..{w_ + T - 1} outside [{S}, {W}]")
     if proj.stride(-1) != 1 or proj.stride(0) != T * proj.stride(1):
         proj = proj.contiguous()
     if out is None:
-        out = torch.empty(N, T, nv * dv, dtype=torch.float32)
-    assert out.shape == (N, T, nv * dv) and out.dtype == torch.float32 and out.is_contiguous()
+        out = torch.empty(N, T, nv * dv, dtype=f32)
+    elif not (out.shape == (N, T, nv * dv) and out.dtype == f32 and out.is_contiguous()):
+        raise ValueError("gdn_step: out must be a contiguous fp32 [N, T, nv * dv]")
+    qscale = _qscale(dk)
     rc = lib.nextn_gdn_step_f32(N, T, proj.data_ptr(), proj.stride(1), conv_w.data_ptr(), conv.data_ptr(),
                                 conv.stride(0), conv.stride(1), rec.data_ptr(), rec.stride(0), rec.stride(1),
                                 _i64s(slots), _i64s(read), _i64s(write0), neg_a.data_ptr(), dt_bias.data_ptr(),
-                                norm_w.data_ptr(), norm_eps, C, kc, nk, dk, nv, dv, out.data_ptr())
+                                norm_w.data_ptr(), norm_eps, qscale, C, kc, nk, dk, nv, dv, out.data_ptr())
     if rc:
         raise RuntimeError(f"CPU GDN kernel failed (code {rc})")
     return out

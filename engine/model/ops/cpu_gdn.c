@@ -5,7 +5,8 @@
  * Per row i and token t (t = 0..T-1, in order):
  *   conv:  window = [state_c[0..Kc-2], x_t[c]]; acc = ((w0*win0 + w1*win1) + w2*win2) + ...; y = silu(acc);
  *          the new state is window[1..Kc-1]
- *   q, k:  l2-normalised per key head (eps 1e-6), q times dk^-1/2; value head h reads key head h / (nv / nk)
+ *   q, k:  l2-normalised per key head (eps 1e-6), q times qscale (dk^-1/2 in fp32, from the caller); value
+ *          head h reads key head h / (nv / nk)
  *   gates: beta = sigmoid(b), decay = exp(-exp(A_log) * softplus(a + dt_bias))
  *   rule:  S <- decay * S; u = S^T k; delta = beta * (v - u); S <- S + k delta^T; o = S^T q
  *   norm:  out = w * (o * rsqrt(mean(o^2) + eps)) * silu(z), per value head
@@ -36,11 +37,10 @@ static void l2norm_(const float *x, float *y, int64_t n, float scale) {
 int nextn_gdn_step_f32(int64_t N, int64_t T, const float *proj, int64_t proj_row, const float *convw,
                        float *conv, int64_t conv_slot, int64_t conv_win, float *rec, int64_t rec_slot,
                        int64_t rec_win, const int64_t *slots, const int64_t *read, const int64_t *write0,
-                       const float *neg_a, const float *dt_bias, const float *norm_w, float norm_eps,
+                       const float *neg_a, const float *dt_bias, const float *norm_w, float norm_eps, float qscale,
                        int64_t C, int64_t Kc, int64_t nk, int64_t dk, int64_t nv, int64_t dv, float *out) {
-    if (Kc < 1 || Kc > MAX_KC || nk < 1 || nv % nk != 0) return 1;
+    if (Kc < 2 || Kc > MAX_KC || nk < 1 || nv % nk != 0) return 1;
     const int64_t Kd = nk * dk, r = nv / nk, S1 = Kc - 1, zoff = C, boff = C + nv * dv, aoff = boff + nv;
-    const float qscale = 1.0f / sqrtf((float)dk);
     float *y = malloc(sizeof(float) * (size_t)(C + 2 * Kd + 3 * dv));
     if (!y) return 2;
     float *qn = y + C, *kn = qn + Kd, *u = kn + Kd, *o = u + dv, *delta = o + dv;

@@ -6,7 +6,6 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import threading
 import tomllib
 from pathlib import Path
@@ -18,9 +17,7 @@ from pydantic import ValidationError
 from config.settings import DEFAULT_CONFIG_FILE, REPO_ROOT, ServeSettings, SettingsError, load_settings, resolve
 from engine.model.ops import cpu
 from server.cli import build_parser, settings_from_args
-from tests.server_fixtures import free_port, http_ready, nextn_serve, tiny_checkpoint, wait_until
-
-NEXTN = [sys.executable, "-c", "import sys; from server.cli import main; sys.exit(main())"]
+from tests.server_fixtures import NEXTN, free_port, http_ready, nextn_serve, tiny_checkpoint, wait_until
 
 
 def write_toml(path: Path, **serve: object) -> Path:

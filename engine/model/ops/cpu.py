@@ -157,13 +157,13 @@ def _i64s(v: list[int]) -> ctypes.Array:
 
 def gdn_step(proj: torch.Tensor, conv_w: torch.Tensor, conv: torch.Tensor, rec: torch.Tensor, slots: list[int],
              read: list[int], write0: list[int], neg_a: torch.Tensor, dt_bias: torch.Tensor, norm_w: torch.Tensor,
-             norm_eps: float, nk: int, dk: int, nv: int, dv: int, out: torch.Tensor | None = None) -> torch.Tensor:
+             norm_eps: float, nk: int, dk: int, nv: int, dv: int) -> torch.Tensor:
     """The GDN token step of N rows x T tokens (see the module docstring), from the fused input projection's
     output to the gated RMSNorm's output.
 
     proj [N, T, P] fp32 (qkv | z | b | a, last dim contiguous); conv_w [C, Kc]; conv [S, W, C, Kc-1] and
     rec [S, W, nv, dk, dv] fp32 pools (each slot contiguous); neg_a = -exp(A_log), dt_bias, [nv]; norm_w [dv].
-    Returns [N, T, nv * dv] fp32 (written into `out` when given: a contiguous buffer of that shape)."""
+    Returns [N, T, nv * dv] fp32."""
     lib = _get()
     if lib is None or not _enabled:
         raise RuntimeError("CPU kernel unavailable")
@@ -186,10 +186,7 @@ def gdn_step(proj: torch.Tensor, conv_w: torch.Tensor, conv: torch.Tensor, rec: 
             raise IndexError(f"pool slot {s_} / window slots {r_}, {w_}..{w_ + T - 1} outside [{S}, {W}]")
     if proj.stride(-1) != 1 or proj.stride(0) != T * proj.stride(1):
         proj = proj.contiguous()
-    if out is None:
-        out = torch.empty(N, T, nv * dv, dtype=f32)
-    elif not (out.shape == (N, T, nv * dv) and out.dtype == f32 and out.is_contiguous()):
-        raise ValueError("gdn_step: out must be a contiguous fp32 [N, T, nv * dv]")
+    out = torch.empty(N, T, nv * dv, dtype=f32)
     qscale = _qscale(dk)
     rc = lib.nextn_gdn_step_f32(N, T, proj.data_ptr(), proj.stride(1), conv_w.data_ptr(), conv.data_ptr(),
                                 conv.stride(0), conv.stride(1), rec.data_ptr(), rec.stride(0), rec.stride(1),

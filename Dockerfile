@@ -14,8 +14,8 @@
 ARG VARIANT=cpu
 
 FROM python:3.11-slim-bookworm AS base-cpu
-# A C compiler for nextn's CPU kernel (engine/model/ops/cpu_gdn.c, built on first start; without one the GDN
-# token step runs as torch ops, ~1.5x slower per token on a small model: bench/RESULTS.md).
+# A C compiler for nextn's CPU kernels (engine/model/ops/cpu_*.c, built on first start; without one the decode
+# and verify steps run as torch ops, slower per token and not batch-invariant: bench/RESULTS.md).
 # Unpinned: the versions are whatever this pinned base release's Debian archive carries.
 # hadolint ignore=DL3008
 RUN apt-get update \

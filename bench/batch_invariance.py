@@ -58,7 +58,7 @@ def _verify(model, sessions, tokens):
                       [s.cache.length for s in sessions], [s.cache.cur for s in sessions], [0] * len(sessions), T,
                       True)
     with torch.inference_mode():
-        return model.logits(model.model.norm(model.forward_step(tokens, ctx, sessions[0].pool)))
+        return model.logits(model.model.norm(model.forward_step(tokens, ctx, sessions[0].pool), ctx), ctx=ctx)
 
 
 def measure(model, k: int) -> list[tuple[str, float, float]]:
@@ -68,24 +68,32 @@ def measure(model, k: int) -> list[tuple[str, float, float]]:
     ref = generate_spec(model, prompts[0], k + 2, k=0)[0]  # A's own greedy continuation as its "drafts"
     toks_a = torch.tensor([ref[: k + 1]])  # [1, K+1]: last + K drafts
     seen, handles = _capture(model)
+
+    def verify(sessions, tokens):  # the modules this forward ran (a fused C call runs none of its children)
+        for v in seen.values():
+            v.clear()
+        out = _verify(model, sessions, tokens)
+        return out, {n: v[-1][0] for n, v in seen.items() if v}
+
     try:
         # (1a) alone
         _, (a,) = _sessions(model, prompts[:1], k, 8)
-        alone = _verify(model, [a], toks_a)[0]
-        rec_alone = {n: v[-1][0] for n, v in seen.items()}
+        alone, rec_alone = verify([a], toks_a)
+        alone = alone[0]
         # (1b) A first in a batch of 4 (the others verify their own greedy continuations)
         _, ss = _sessions(model, prompts, k, 8)
         others = [generate_spec(model, p, k + 1, k=0)[0][: k + 1] for p in prompts[1:]]
-        batch = _verify(model, ss, torch.tensor([ref[: k + 1]] + others))[0]
-        rec_batch = {n: v[-1][0] for n, v in seen.items()}
+        batch, rec_batch = verify(ss, torch.tensor([ref[: k + 1]] + others))
+        batch = batch[0]
         # (2) T = 1 steps over the same tokens
         _, (a1,) = _sessions(model, prompts[:1], k, 8)
-        steps, rec_steps = [], {n: [] for n in seen}
+        steps, rec_steps = [], {n: [] for n in rec_alone}
         for t in range(k + 1):
-            steps.append(_verify(model, [a1], toks_a[:, t:t + 1])[0, 0])
+            out, rec = verify([a1], toks_a[:, t:t + 1])
+            steps.append(out[0, 0])
             a1.cache.keep(a1.cache.length + 1, 0)
-            for n, v in seen.items():
-                rec_steps[n].append(v[-1][0])
+            for n in rec_steps:
+                rec_steps[n].append(rec[n])
         stepped = torch.stack(steps)
     finally:
         for h in handles:

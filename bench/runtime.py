@@ -11,7 +11,9 @@
 Server and engine both run with one torch thread (OMP_NUM_THREADS=1; the client gets the other core). The
 measurements are interleaved: every server stays up for the whole run and each repetition takes every figure
 once, in turn, so load from other processes hits numerator and denominator alike; each figure is the best of the
-repetitions. The load average is printed with the figures.
+repetitions, and each ratio is given twice: the ratio of the bests, and the median (with the range) of the
+repetitions' own ratios, whose two terms were measured a minute apart (the steadier reading on a noisy box). The
+load average is printed with the figures.
 
     .venv/bin/python bench/runtime.py [--tokens 128] [--repeat 3] [--device cpu|cuda]
 
@@ -26,6 +28,7 @@ import cProfile
 import json
 import os
 import pstats
+import statistics
 import socket
 import subprocess
 import sys
@@ -208,8 +211,12 @@ def profile_round(model, prompts: list[list[int]], n: int, k: int) -> str:
     return f"{total:.2f} s in spec_round: " + ", ".join(rows)
 
 
-def _best(figs: dict[str, float], key: str, value: float) -> None:
-    figs[key] = max(figs.get(key, 0.0), value)
+def _ratio(runs: dict[str, list[float]], num: str, den: str) -> str:
+    """num / den as the ratio of the bests, and the median (and range) of the per-repetition ratios: one
+    repetition measures both within a minute or so, so a pair shares the box's state of the moment."""
+    pairs = sorted(a / b for a, b in zip(runs[num], runs[den]))
+    return (f"{max(runs[num]) / max(runs[den]):.2f}x (bests); median of {len(pairs)} pairs "
+            f"{statistics.median(pairs):.2f}x ({pairs[0]:.2f}-{pairs[-1]:.2f})")
 
 
 def main() -> int:
@@ -235,26 +242,26 @@ def main() -> int:
     load0 = os.getloadavg()
     servers = {"k3": Server(DEMO, k=3, device=dev, extra=extra), "k0": Server(DEMO, k=0, device=dev, extra=extra),
                "hf256": Server(ckpt, k=0, device=dev, extra=extra)}
-    figs: dict[str, float] = {}
+    runs: dict[str, list[float]] = {}
     try:
         models = {name: srv.model_id() for name, srv in servers.items()}
         for name, srv in servers.items():  # warm-up
             _clients_once(srv.url, models[name], chats[:1], n)
         _clients_once(servers["k3"].url, models["k3"], eight, n)
         for _ in range(rep):  # interleaved: each repetition takes every figure once
-            _best(figs, "one_k3", _clients_once(servers["k3"].url, models["k3"], chats[:1], n))
-            _best(figs, "eng_k3", engine_tok_s(demo, chats[:1], n, 3, 1))
-            _best(figs, "eight_k3", _clients_once(servers["k3"].url, models["k3"], eight, n))
-            _best(figs, "eng8_k3", engine_tok_s(demo, eight, n, 3, 1))
-            _best(figs, "one_k0", _clients_once(servers["k0"].url, models["k0"], chats[:1], n))
-            _best(figs, "eng_k0", engine_tok_s(demo, chats[:1], n, 0, 1))
-            _best(figs, "hf", hf.once())
-            _best(figs, "ours", _clients_once(servers["hf256"].url, models["hf256"], [prompt], n))
+            runs.setdefault("one_k3", []).append(_clients_once(servers["k3"].url, models["k3"], chats[:1], n))
+            runs.setdefault("eng_k3", []).append(engine_tok_s(demo, chats[:1], n, 3, 1))
+            runs.setdefault("eight_k3", []).append(_clients_once(servers["k3"].url, models["k3"], eight, n))
+            runs.setdefault("eng8_k3", []).append(engine_tok_s(demo, eight, n, 3, 1))
+            runs.setdefault("one_k0", []).append(_clients_once(servers["k0"].url, models["k0"], chats[:1], n))
+            runs.setdefault("eng_k0", []).append(engine_tok_s(demo, chats[:1], n, 0, 1))
+            runs.setdefault("hf", []).append(hf.once())
+            runs.setdefault("ours", []).append(_clients_once(servers["hf256"].url, models["hf256"], [prompt], n))
     finally:
         for srv in servers.values():
             srv.close()
     load1 = os.getloadavg()
-    f = figs
+    f = {key: max(v) for key, v in runs.items()}
     flag = " --no-cpu-kernel" if args.no_cpu_kernel else ""
     out = [f"`.venv/bin/python bench/runtime.py --tokens {n} --repeat {rep} --device {dev}{flag}` (demo model, "
            f"greedy, ignore_eos, {n} tokens per client, interleaved, best of {rep}, one torch thread; "
@@ -263,15 +270,17 @@ def main() -> int:
            "| measurement | tokens/s | ratio | goal |", "|---|---|---|---|",
            f"| server, 1 streaming client, K=3 | {f['one_k3']:.1f} | | |",
            f"| server, 8 concurrent streaming clients, K=3 (aggregate) | {f['eight_k3']:.1f} | "
-           f"{f['eight_k3'] / f['one_k3']:.2f}x one client | >= 4x |",
+           f"{_ratio(runs, 'eight_k3', 'one_k3')} one client | >= 4x |",
            f"| server, 1 client, K=0 (plain) | {f['one_k0']:.1f} | | |",
-           f"| server spec (K=3) vs plain (K=0), 1 client | | {f['one_k3'] / f['one_k0']:.2f}x | >= 1.8x |",
+           f"| server spec (K=3) vs plain (K=0), 1 client | | {_ratio(runs, 'one_k3', 'one_k0')} | >= 1.8x |",
            f"| engine alone, 1 session, K=3 | {f['eng_k3']:.1f} | | |",
-           f"| engine alone, 1 session, K=0 | {f['eng_k0']:.1f} | spec/plain {f['eng_k3'] / f['eng_k0']:.2f}x | |",
-           f"| engine alone, batch of 8, K=3 | {f['eng8_k3']:.1f} | {f['eng8_k3'] / f['eng_k3']:.2f}x one session | |",
-           f"| server streaming vs engine alone (1 client, K=3) | | {f['one_k3'] / f['eng_k3']:.2f}x | >= 0.9x |",
+           f"| engine alone, 1 session, K=0 | {f['eng_k0']:.1f} | spec/plain {_ratio(runs, 'eng_k3', 'eng_k0')} "
+           "| |",
+           f"| engine alone, batch of 8, K=3 | {f['eng8_k3']:.1f} | {_ratio(runs, 'eng8_k3', 'eng_k3')} one "
+           "session | |",
+           f"| server streaming vs engine alone (1 client, K=3) | | {_ratio(runs, 'one_k3', 'eng_k3')} | >= 0.9x |",
            f"| transformers `generate`, random 4-layer hidden-256 vocab-2048 checkpoint | {f['hf']:.1f} | | |",
-           f"| nextn server plain greedy, same checkpoint, 1 client | {f['ours']:.1f} | {f['ours'] / f['hf']:.2f}x "
+           f"| nextn server plain greedy, same checkpoint, 1 client | {f['ours']:.1f} | {_ratio(runs, 'ours', 'hf')} "
            f"transformers | >= 2x |", "", f"transformers peer: {hf.describe()}.", ""]
     if dev == "cpu":
         out.append("Round profile (cProfile, engine alone, K=3): one session: "

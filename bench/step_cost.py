@@ -91,8 +91,8 @@ def logit_hashes(tmp: Path) -> dict:
     seen: list[str] = []
     orig = Qwen35ForCausalLM.logits
 
-    def logits(self, h, out=None):
-        y = orig(self, h, out)
+    def logits(self, h, out=None, ctx=None):
+        y = orig(self, h, out, ctx)
         seen.append(hashlib.sha1(y.detach().contiguous().numpy().tobytes()).hexdigest()[:16])
         return y
 

@@ -90,8 +90,9 @@ class ServeSettings(BaseModel):
         None, ge=1, description="torch threads on a cpu device (default: OMP_NUM_THREADS when set, else the usable "
                                 "cores minus one, left to the HTTP event loop; at least 1)")
     cpu_kernel: bool = Field(
-        True, description="on a cpu device with a float32 model, run the Gated DeltaNet token step as nextn's C "
-                          "kernel, built with the system C compiler on first use (torch ops when there is none; "
+        True, description="on a cpu device with a float32 model, run the decode / verify / draft steps on nextn's "
+                          "C kernels (GDN and attention token steps, RMSNorm; GEMMs and MLP with AVX2 + FMA), "
+                          "built with the system C compiler on first use (torch ops when there is none; "
                           "--no-cpu-kernel: always torch ops)")
     engine_process: bool = Field(
         True, description="run the engine (model, scheduler) in its own process, so the HTTP event loop's work "

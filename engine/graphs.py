@@ -90,8 +90,8 @@ class EagerRunner:
         else:
             ctx = FwdCtx.make(model.config, tokens.device, pool.dtype, slots, pos0, cur, [0] * N, T, True)
         pre = model.forward_step(tokens, ctx, pool)  # [N, T, H]
-        post = model.model.norm(pre)
-        return pre, post, model.logits(post)
+        post = model.model.norm(pre, ctx)
+        return pre, post, model.logits(post, ctx=ctx)
 
     def draft(self, model: Qwen35ForCausalLM, pool: StatePool, tokens: torch.Tensor, hidden: torch.Tensor,
               slots: list[int], pos0: list[int], last: list[int] | None) -> Draft:
@@ -101,10 +101,11 @@ class EagerRunner:
             ix = _host_index(slots, pos0, device=dev).to(dev, non_blocking=True)
             ctx = FwdCtx.from_tensors(ix[0], ix[1], torch.zeros_like(ix[0]), T, _rope(model, pool))
         else:
-            ctx = FwdCtx.make(model.config, dev, pool.dtype, slots, pos0, [0] * A, [0] * A, T, False)
+            # record: a step forward (the head has no GDN layer to record; its attention runs the CPU step kernel)
+            ctx = FwdCtx.make(model.config, dev, pool.dtype, slots, pos0, [0] * A, [0] * A, T, True)
         hm = model.mtp_forward(tokens, hidden, ctx, pool.mtp)  # [A, T, H]
         h = hm if last is None else hm[torch.arange(A, device=dev), torch.tensor(last, device=dev)][:, None]
-        return h, model.logits(h[:, 0])
+        return h, model.logits(h[:, 0], ctx=ctx)
 
 
 EAGER = EagerRunner()

@@ -163,8 +163,11 @@ def decode_step_t(model: Qwen35ForCausalLM, tokens: list[int], pos0: int, cache:
     x = torch.tensor([tokens], device=model.lm_head.weight.device)
     pre = model.forward_hidden(x, pos0, cache, record=record)[0]  # [T, H]
     cache.length += len(tokens)
-    post = model.model.norm(pre)
-    return model.logits(post), post, pre
+    # a recording forward is a step forward: its final norm and LM head run as the round's verify runs them
+    step = FwdCtx.make(model.config, x.device, pre.dtype, [cache.slot], [pos0], [0], [0], len(tokens),
+                       True) if record else None
+    post = model.model.norm(pre, step)
+    return model.logits(post, ctx=step), post, pre
 
 
 def mtp_head_forward(model: Qwen35ForCausalLM, tokens: list[int], hidden: torch.Tensor, pos: int,

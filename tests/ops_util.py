@@ -1,6 +1,9 @@
 """Shared bits of the kernel tests (tests/test_ops_*.py): device, dtypes, tolerances, the triton skip."""
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -37,3 +40,21 @@ def assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
 
 def assert_bitwise(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     assert torch.equal(got, want), f"{what}: not bitwise equal (max diff {(got.float() - want.float()).abs().max()})"
+
+
+@contextlib.contextmanager
+def spy(obj, name: str) -> Iterator[list[tuple[tuple, object]]]:
+    """Inside: every call of `obj.name` is appended as (positional args, result); restored on exit."""
+    calls: list[tuple[tuple, object]] = []
+    real = getattr(obj, name)
+
+    def wrapper(*a, **k):
+        y = real(*a, **k)
+        calls.append((a, y))
+        return y
+
+    setattr(obj, name, wrapper)
+    try:
+        yield calls
+    finally:
+        setattr(obj, name, real)

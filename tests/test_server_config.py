@@ -185,7 +185,7 @@ def test_sigterm_drains_then_exits_zero():
     startup = [line for line in stderr.splitlines() if "nextn serving" in line]
     assert len(startup) == 1 and f"model=tiny device=cpu dtype=float32 K=3 url={base}" in startup[0]
     if cpu.available():  # the engine process built (or found) the C kernel and says so at startup
-        assert "GDN token step: C kernel" in stderr, stderr
+        assert "step GEMMs: C kernels" in stderr, stderr
 
 
 def test_no_cpu_kernel_reaches_the_engine_process_and_serves():
@@ -193,4 +193,4 @@ def test_no_cpu_kernel_reaches_the_engine_process_and_serves():
         r = httpx.post(base + "/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 8,
                                                        "ignore_eos": True}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
-    assert any("GDN token step: torch ops (--no-cpu-kernel)" in line for line in stderr), stderr
+    assert any("step GEMMs: torch ops (--no-cpu-kernel)" in line for line in stderr), stderr

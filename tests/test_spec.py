@@ -64,8 +64,8 @@ def test_spec_equals_plain_greedy_every_k(model):
 
 
 def test_spec_equals_plain_greedy_every_k_on_torch_ops(model32):
-    """fp32 on a CPU runs the GDN token step as the C kernel when it is built (ops/cpu.py); its torch twin (no
-    compiler, --no-cpu-kernel, CUDA without triton) must be exact too."""
+    """fp32 on a CPU runs the GDN / attention token steps and the RMSNorms as the C kernels when they are built
+    (ops/cpu.py); their torch twins (no compiler, --no-cpu-kernel, CUDA without triton) must be exact too."""
     prev = cpu.set_enabled(False)
     try:
         _spec_equals_plain_every_k(model32, _prompts(model32.config.vocab_size)[1:2])

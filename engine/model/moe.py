@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import Qwen35Config
+from .ops import cpu
 from .ops import dispatch as ops
 from .ops.matmul import group_by_expert
 
@@ -36,7 +37,13 @@ class MLP(nn.Module):
 
         self._w_gu = fuse_linears([self.gate_proj, self.up_proj])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
+        """`ctx`: the forward's FwdCtx; in a step forward (`ctx.record`) an fp32 CPU model with fused weights runs
+        the whole block as ops/cpu.py's C call (batch-invariant GEMMs). Prefill and no cache: the torch path."""
+        if ctx is not None and ctx.record and not ctx.kernels and self._w_gu is not None:
+            y = cpu.mlp_or_none(x, self._w_gu, self.down_proj.weight)
+            if y is not None:
+                return y
         if ops.use_triton(x):  # kernel path: fused gate|up GEMM, fused SwiGLU
             gu = ops.linear(x, self._w_gu) if self._w_gu is not None else torch.cat(
                 [ops.linear(x, self.gate_proj.weight), ops.linear(x, self.up_proj.weight)], dim=-1)
@@ -108,7 +115,8 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
+        """x [..., H]; `ctx` (the forward's context) is not used: routing and experts run as torch ops on a CPU."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])  # [N, H]
         w, idx = self.gate(flat)

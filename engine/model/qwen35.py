@@ -7,7 +7,8 @@ zero-centred (1+w) RMSNorm. One forward handles three cases, chosen by the calle
   * a `FwdCtx` over a `StatePool` with record=False (prefill chunks): KV written at each row's pos0..,
     GDN state read from and written back to the row's live window slot (T == 1 -> recurrent step,
     T > 1 -> chunked form);
-  * a `FwdCtx` with record=True (spec verify and decode, N rows x T tokens): GDN runs the recurrent step per
+  * a `FwdCtx` with record=True (a step forward: spec verify, decode and MTP drafts, N rows x T tokens; on a CPU
+    in fp32 its attention and GDN layers run ops/cpu.py's C kernels): GDN runs the recurrent step per
     token and writes the state after each token to its own window slot, so the session keeps any prefix in
     O(1) (it only chooses which slot is live).
 Rows of one forward are independent sequences in different pool slots; each row's queries see only its own
@@ -16,7 +17,10 @@ cached keys (a per-row causal mask), the GDN recurrence and every projection are
 
 Two implementations of the same math, chosen per tensor by `ops.use_triton` (CUDA with triton installed):
   * the torch path (CPU): F.linear, one SDPA call over all rows (each row masked to its own keys), the torch GDN
-    recurrence; unchanged by the kernel path. Its rounding may depend on the batch (bench/RESULTS.md measures it);
+    recurrence; unchanged by the kernel path. Its rounding may depend on the batch (bench/RESULTS.md measures it).
+    An fp32 model's step forwards (`ctx.record`) run ops/cpu.py's C kernels instead where they apply: the GEMMs
+    (AVX2 + FMA), the dense MLP, the RMSNorms, the attention and GDN token steps, each row-wise with fixed sum
+    orders, so a dense model's verify logits are bitwise the same alone, in any batch and at any T;
   * the kernel path: every linear (the fused projections, the LM head with fp32 logits, the MoE experts grouped
     by expert) is the batch-invariant Triton matmul, norms and activations are fused row-wise kernels, and a
     step forward (decode, verify, MTP draft) built with `FwdCtx.from_tensors` runs attention over the pool and
@@ -38,7 +42,7 @@ from .moe import MLP, SparseMoeBlock
 from .ops import dispatch as ops
 from .ops import cpu
 from .ops.gdn import causal_conv_window, gdn_chunked, gdn_recurrent_step, l2norm
-from .ops.norm import as_dtype, const
+from .ops.norm import as_dtype, const, one_plus
 
 if TYPE_CHECKING:
     from ..cache import GdnPool, KVPool, ModelCache, StatePool
@@ -52,7 +56,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.zeros(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: FwdCtx | None = None) -> torch.Tensor:
+        """`ctx`: the forward's context; in a step forward (`ctx.record`: decode, verify, MTP drafts) fp32 CPU rows
+        take ops/cpu.py's C kernel. Prefill and the cache-free forward keep the torch twin."""
+        if ctx is not None and ctx.record and not ctx.kernels and cpu.takes(x):
+            return cpu.rms_norm(x, one_plus(self.weight, x.dtype), self.eps)
         return ops.rms_norm(x, self.weight, self.eps)
 
 
@@ -68,9 +76,16 @@ class GatedRMSNorm(nn.Module):
         return ops.gated_rms_norm(x, z, self.weight, self.eps)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ w^T: the batch-invariant kernel on the kernel path, F.linear on the torch path."""
-    return ops.linear(x, w) if ops.use_triton(x) else F.linear(x, w)
+def linear(x: torch.Tensor, w: torch.Tensor, ctx: FwdCtx | None = None) -> torch.Tensor:
+    """x @ w^T: the batch-invariant kernel on the kernel path, F.linear on the torch path; in a step forward
+    (`ctx.record`) of an fp32 CPU model, ops/cpu.py's batch-invariant C GEMM when this CPU has AVX2 + FMA."""
+    if ops.use_triton(x):
+        return ops.linear(x, w)
+    if ctx is not None and ctx.record and not ctx.kernels:
+        y = cpu.linear_or_none(x, w)
+        if y is not None:
+            return y
+    return F.linear(x, w)
 
 
 def fuse_linears(linears: list[nn.Linear]) -> torch.Tensor:
@@ -281,11 +296,21 @@ class GatedAttention(nn.Module):
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """x: [N, T, H] -> [N, T, H]. Without `ctx`: causal self-attention over each row (`rope` = tables for
         positions 0..T-1). With `ctx` and `kv`: row i's K/V are written at kv[slot_i, pos0_i..] and its queries
-        attend its own cached keys [0, pos0_i + t] (a kernel-path step context: the pool attention kernel)."""
+        attend its own cached keys [0, pos0_i + t] (a kernel-path step context: the pool attention kernel). On a CPU,
+        for fp32 and when ops/cpu.py's C kernels are built, step forwards (`ctx.record`: decode, verify, MTP drafts)
+        run everything between the two projections as one C call; prefill chunks keep SDPA."""
         N, T, _ = x.shape
         nq, nk = 2 * self.nh * self.hd, self.nkv * self.hd
         if self._w_qkv is not None:
-            qg, k, v = linear(x, self._w_qkv).split([nq, nk, nk], dim=-1)
+            qkv = linear(x, self._w_qkv, ctx)  # [N, T, nq + 2 nk]
+            if (ctx is not None and kv is not None and not ctx.kernels and ctx.record
+                    and cpu.takes(qkv)):  # the fused C step (ops/cpu.py)
+                assert ctx.slots is not None and ctx.pos0 is not None
+                o = cpu.attn_step(qkv, one_plus(self.q_norm.weight, qkv.dtype), one_plus(self.k_norm.weight, qkv.dtype),
+                                  self.q_norm.eps, *ctx.rope, kv.k, kv.v, ctx.slots, ctx.pos0, self.nh, self.nkv,
+                                  self.hd, self.hd ** -0.5)  # [N, T, nh*hd]
+                return linear(o, self.o_proj.weight, ctx)
+            qg, k, v = qkv.split([nq, nk, nk], dim=-1)
         else:
             qg, k, v = linear(x, self.q_proj.weight), linear(x, self.k_proj.weight), linear(x, self.v_proj.weight)
         qg = qg.view(N, T, self.nh, 2 * self.hd)
@@ -377,14 +402,14 @@ class GatedDeltaNet(nn.Module):
         dt = x.dtype
         sdt = torch.float64 if dt == torch.float64 else torch.float32
         if self._w_in is not None:
-            proj = linear(x, self._w_in)  # [N, T, C + nv*dv + 2 nv]
+            proj = linear(x, self._w_in, ctx)  # [N, T, C + nv*dv + 2 nv]
             if (ctx is not None and st is not None and not ctx.kernels and (ctx.record or T == 1)
                     and ctx.lens is None and cpu.usable(proj, self.kc)):  # the fused C step (ops/cpu.py)
                 assert ctx.slots is not None and ctx.read is not None and ctx.write0 is not None
                 o = cpu.gdn_step(proj, self.conv1d.weight[:, 0, :], st.conv, st.rec, ctx.slots, ctx.read,
                                  ctx.write0, *self._decay_consts(), self.norm.weight, self.norm.eps, self.nk,
                                  self.dk, self.nv, self.dv)  # [N, T, nv*dv]
-                return linear(o, self.out_proj.weight)
+                return linear(o, self.out_proj.weight, ctx)
             qkv, z, b, a = proj.split(self._split, dim=-1)
         else:
             qkv, z, b, a = (linear(x, m.weight) for m in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b,
@@ -496,13 +521,13 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: FwdCtx | None, layer_state,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        h = self.input_layernorm(x)
+        h = self.input_layernorm(x, ctx)
         if self.layer_type == "linear_attention":
             h = self.linear_attn(h, ctx, layer_state)
         else:
             h = self.self_attn(h, ctx, layer_state, rope)
         x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x, ctx), ctx)
 
 
 class TextModel(nn.Module):
@@ -530,10 +555,10 @@ class MtpHead(nn.Module):
     def forward(self, emb: torch.Tensor, hidden: torch.Tensor, ctx: FwdCtx | None, kv: "KVPool | None",
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """emb, hidden: [N, T, H] (embedding of token i+1, trunk hidden of row i) -> head hidden after mtp.norm."""
-        x = linear(torch.cat([self.pre_fc_norm_embedding(emb), self.pre_fc_norm_hidden(hidden)], dim=-1),
-                   self.fc.weight)
+        x = linear(torch.cat([self.pre_fc_norm_embedding(emb, ctx), self.pre_fc_norm_hidden(hidden, ctx)], dim=-1),
+                   self.fc.weight, ctx)
         x = self.layers[0](x, ctx, kv, rope)
-        return self.norm(x)
+        return self.norm(x, ctx)
 
 
 class Qwen35ForCausalLM(nn.Module):
@@ -587,12 +612,13 @@ class Qwen35ForCausalLM(nn.Module):
         cache.cur = write0 + T - 1 if record else write0
         return h
 
-    def logits(self, h_post: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def logits(self, h_post: torch.Tensor, out: torch.Tensor | None = None,
+               ctx: FwdCtx | None = None) -> torch.Tensor:
         """Post-norm hidden [..., H] -> fp32 logits [..., V] (kernel path: the batch-invariant matmul, fp32 out,
-        written into `out` when given)."""
+        written into `out` when given). `ctx`: the step forward's context (the CPU GEMM, see `linear`)."""
         if ops.use_triton(h_post):
             return ops.linear(h_post, self.lm_head.weight, out_dtype=torch.float32, out=out)
-        y = self.lm_head(h_post).float()
+        y = linear(h_post, self.lm_head.weight, ctx).float()
         return y if out is None else out.copy_(y)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

@@ -1,21 +1,31 @@
-"""The CPU kernel: the Gated DeltaNet token step in C (cpu_gdn.c), built with the system C compiler on first use
-and called through ctypes.
+"""The CPU kernels, in C, built with the system C compiler on first use and called through ctypes: the Gated
+DeltaNet token step (cpu_gdn.c), the gated attention token step and the zero-centred RMSNorm (cpu_attn.c), the
+small-M GEMM and the SwiGLU MLP built on it (cpu_linear.c, AVX2 + FMA); cpu_vec.h holds the vector type and the
+exp they share.
 
 Why: on a CPU a small model's decode step is bound by op dispatch, not arithmetic. The torch path spends ~60 aten
 calls per GDN layer per token between the input projection and the output projection (conv, l2norm, gates,
-recurrence, gated norm, the state writes); the kernel does all of it in one call (bench/RESULTS.md).
+recurrence, gated norm, the state writes), ~30 per attention layer between its two projections (q / k norms, RoPE,
+the K/V writes, SDPA and its mask, the gate) and 7 per RMSNorm; each kernel does its part in one call
+(bench/RESULTS.md). torch's GEMM (MKL) rounds a row differently with the row count; cpu_linear.c's does not.
 
-Contract: `gdn_step` computes what GatedDeltaNet's torch path computes for a recording forward (and a one-token
+Contract: `attn_step` computes what GatedAttention's torch path computes over the KV pool for step forwards
+(decode, verify, MTP drafts; prefill chunks keep SDPA), and `rms_norm` what norm.rms_norm_ref computes, both for
+fp32. `gdn_step` computes what GatedDeltaNet's torch path computes for a recording forward (and a one-token
 non-recording one) over the pool, for fp32 models: row i reads window slot read[i] of pool slot slots[i], the state
 after token t goes to window slot write0[i] + t. It rounds differently from the torch twin (tests/test_ops_cpu.py
 bounds the difference), but every (row, token) runs the same code in the same order, so a row's outputs are
 bitwise the same alone or in any batch and at any T: verify (T = K+1) and plain decode (T = 1) agree bitwise, which
-is what exactness needs.
+is what exactness needs. The same holds for `attn_step` (its sums run in fixed lanes and a fixed tree, whatever
+the batch, T or the row's neighbours), `rms_norm` (row by row) and `linear_or_none` / `mlp_or_none` (each output
+element is one fixed sequence of FMAs and a fixed tree, whatever tile computes it): with all of them a dense
+model's step forward is bitwise invariant to the batch and to T (bench/batch_invariance.py).
 
-The build: `cc -O3 -ffp-contract=off -shared -fPIC`, cached by the source's and flags' hash under
+The build: `cc -O3 -ffp-contract=off -shared -fPIC` (and -mavx2 on a CPU that has it: the same IEEE operations,
+eight lanes at a time), cached by the sources' and flags' hash under
 ~/.cache/nextn/kernels (a temporary directory when that is not writable). Without a C compiler, or when the build
 fails, `available()` is False (logged once) and the model keeps the torch path. `set_enabled(False)` turns the
-kernel off for the process (the A/B benchmarks and the twin tests use it).
+kernels off for the process (the A/B benchmarks and the twin tests use it).
 """
 from __future__ import annotations
 
@@ -35,8 +45,22 @@ import torch
 
 log = logging.getLogger("nextn.cpu_kernels")
 
-SOURCE = Path(__file__).with_name("cpu_gdn.c")
+SOURCES = tuple(Path(__file__).with_name(f) for f in ("cpu_gdn.c", "cpu_attn.c", "cpu_linear.c"))
+HEADERS = (Path(__file__).with_name("cpu_vec.h"),)
 FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC")
+
+
+def _cpu_flags() -> tuple[str, ...]:
+    """-mavx2 when this CPU has AVX2 (Linux /proc/cpuinfo): the 8-lane sums then run as one vector op. No -mfma:
+    with -ffp-contract=off the arithmetic is the same IEEE operations in the same order either way."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return ("-mavx2",) if " avx2" in line else ()
+    except OSError:
+        pass
+    return ()
 _MAX_KC = 16  # cpu_gdn.c's MAX_KC
 
 _lock = threading.Lock()
@@ -44,6 +68,7 @@ _lib: ctypes.CDLL | None = None
 _tried = False
 _enabled = True
 _why = ""  # why the kernel is unavailable (set by a failed build)
+_gemm = False  # the CPU has AVX2 and FMA: cpu_linear.c's GEMM runs (set by the build)
 
 
 def _cache_dir() -> Path:
@@ -70,16 +95,17 @@ def _build() -> ctypes.CDLL | None:
         _unavailable("no C compiler (cc) on PATH")
         return None
     try:  # no writable cache nor temporary directory (a read-only root file system), an unreadable source
-        src = SOURCE.read_bytes()
-        key = hashlib.sha256(src + " ".join(FLAGS).encode() + platform.machine().encode() + cc.encode()).hexdigest()
-        so = _cache_dir() / f"cpu_gdn-{key[:16]}.so"
+        src = b"".join(f.read_bytes() for f in (*SOURCES, *HEADERS))
+        flags = (*FLAGS, *_cpu_flags())
+        key = hashlib.sha256(src + " ".join(flags).encode() + platform.machine().encode() + cc.encode()).hexdigest()
+        so = _cache_dir() / f"nextn_cpu-{key[:16]}.so"
     except OSError as e:
         _unavailable(f"no place to build it: {e}", logging.WARNING)
         return None
     if not so.exists():
         tmp = so.with_name(f"{so.name}.{os.getpid()}.tmp")
         try:
-            subprocess.run([cc, *FLAGS, "-o", str(tmp), str(SOURCE), "-lm"], check=True, capture_output=True,
+            subprocess.run([cc, *flags, "-o", str(tmp), *map(str, SOURCES), "-lm"], check=True, capture_output=True,
                            timeout=120)
             os.replace(tmp, so)  # atomic: concurrent builders each write their own temporary file
         except (OSError, subprocess.SubprocessError) as e:
@@ -98,16 +124,31 @@ def _build() -> ctypes.CDLL | None:
     fn.argtypes = [i64, i64, ptr, i64, ptr, ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr,
                    ctypes.c_float, ctypes.c_float, i64, i64, i64, i64, i64, i64, ptr]
     fn.restype = ctypes.c_int
+    fn = lib.nextn_attn_step_f32
+    fn.argtypes = [i64, i64, ptr, i64, ptr, ptr, ctypes.c_float, ptr, ptr, i64, ptr, ptr, i64, ptr, ptr, i64, i64,
+                   i64, ctypes.c_float, ptr]
+    fn.restype = ctypes.c_int
+    fn = lib.nextn_rms_norm_f32
+    fn.argtypes = [i64, i64, ptr, i64, ptr, ctypes.c_float, ptr]
+    fn.restype = ctypes.c_int
+    lib.nextn_linear_ok.argtypes, lib.nextn_linear_ok.restype = [], ctypes.c_int
+    fn = lib.nextn_linear_f32
+    fn.argtypes = [i64, i64, i64, ptr, i64, ptr, ptr]
+    fn.restype = ctypes.c_int
+    fn = lib.nextn_mlp_f32
+    fn.argtypes = [i64, i64, i64, ptr, i64, ptr, ptr, ptr]
+    fn.restype = ctypes.c_int
     log.info("CPU kernel ready: %s", so)
     return lib
 
 
 def _get() -> ctypes.CDLL | None:
-    global _lib, _tried
+    global _lib, _tried, _gemm
     if not _tried:
         with _lock:
             if not _tried:
                 _lib = _build()
+                _gemm = _lib is not None and bool(_lib.nextn_linear_ok())
                 _tried = True
     return _lib
 
@@ -125,24 +166,26 @@ def set_enabled(on: bool) -> bool:
 
 
 def describe(device: torch.device | str, dtype: torch.dtype) -> str | None:
-    """For the startup log: which GDN token step a model on `device` in `dtype` runs (None off the CPU).
-    Builds the kernel now when it will be used, so the first request does not wait for the compiler."""
+    """For the startup log: whether a model on `device` in `dtype` runs the C kernels or torch ops for the GDN and
+    attention token steps and the RMSNorms (None off the CPU). Builds the kernels now when they will be used, so
+    the first request does not wait for the compiler."""
+    what = "GDN / attention token steps, RMSNorm, step GEMMs"
     if torch.device(device).type != "cpu":
         return None
     if dtype != torch.float32:
-        return f"GDN token step: torch ops (the C kernel is float32 only; the model is {dtype})"
+        return f"{what}: torch ops (the C kernels are float32 only; the model is {dtype})"
     if not _enabled:
-        return "GDN token step: torch ops (--no-cpu-kernel)"
+        return f"{what}: torch ops (--no-cpu-kernel)"
     if _get() is None:
-        return f"GDN token step: torch ops (C kernel unavailable: {_why})"
-    return "GDN token step: C kernel (engine/model/ops/cpu_gdn.c)"
+        return f"{what}: torch ops (C kernels unavailable: {_why})"
+    gemm = "" if _gemm else "; GEMMs: torch (this CPU lacks AVX2 + FMA)"
+    return f"{what}: C kernels (engine/model/ops/cpu_gdn.c, cpu_attn.c, cpu_linear.c){gemm}"
 
 
 def usable(x: torch.Tensor, kc: int) -> bool:
     """Whether `gdn_step` takes this forward: fp32 CPU activations that need no gradient (the kernel has no
     backward), a supported conv width, the kernel available."""
-    return (x.dtype == torch.float32 and x.device.type == "cpu" and not x.requires_grad and 2 <= kc <= _MAX_KC
-            and available())
+    return 2 <= kc <= _MAX_KC and takes(x)
 
 
 @functools.lru_cache(maxsize=None)
@@ -153,6 +196,19 @@ def _qscale(dk: int) -> float:
 
 def _i64s(v: list[int]) -> ctypes.Array:
     return (ctypes.c_int64 * len(v))(*v)
+
+
+def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """x [..., K] as rows of K floats for the C code: (a tensor holding them, the row pitch in elements). Row r
+    (leading dims flattened) starts at r * pitch; a copy when the rows are not one pitch apart. The pitch of a
+    contiguous x is K whatever the stride torch reports for a size-1 dimension."""
+    K = x.shape[-1]
+    if x.is_contiguous():
+        return x, K
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) == 1 and x2.shape[0] > 1 and x2.stride(0) >= K:
+        return x2, x2.stride(0)
+    return x2.contiguous(), K
 
 
 def gdn_step(proj: torch.Tensor, conv_w: torch.Tensor, conv: torch.Tensor, rec: torch.Tensor, slots: list[int],
@@ -184,14 +240,128 @@ def gdn_step(proj: torch.Tensor, conv_w: torch.Tensor, conv: torch.Tensor, rec: 
     for s_, r_, w_ in zip(slots, read, write0):
         if not (0 <= s_ < S and 0 <= r_ < W and 0 <= w_ and w_ + T <= W):
             raise IndexError(f"pool slot {s_} / window slots {r_}, {w_}..{w_ + T - 1} outside [{S}, {W}]")
-    if proj.stride(-1) != 1 or proj.stride(0) != T * proj.stride(1):
-        proj = proj.contiguous()
+    proj, pitch = _rows(proj)
     out = torch.empty(N, T, nv * dv, dtype=f32)
     qscale = _qscale(dk)
-    rc = lib.nextn_gdn_step_f32(N, T, proj.data_ptr(), proj.stride(1), conv_w.data_ptr(), conv.data_ptr(),
+    rc = lib.nextn_gdn_step_f32(N, T, proj.data_ptr(), pitch, conv_w.data_ptr(), conv.data_ptr(),
                                 conv.stride(0), conv.stride(1), rec.data_ptr(), rec.stride(0), rec.stride(1),
                                 _i64s(slots), _i64s(read), _i64s(write0), neg_a.data_ptr(), dt_bias.data_ptr(),
                                 norm_w.data_ptr(), norm_eps, qscale, C, kc, nk, dk, nv, dv, out.data_ptr())
     if rc:
         raise RuntimeError(f"CPU GDN kernel failed (code {rc})")
     return out
+
+
+
+def attn_step(qkv: torch.Tensor, q_w1: torch.Tensor, k_w1: torch.Tensor, eps: float, cos: torch.Tensor,
+              sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: list[int], pos0: list[int],
+              nh: int, nkv: int, hd: int, scale: float) -> torch.Tensor:
+    """The gated attention token step of N rows x T tokens (cpu_attn.c), from the fused projection's output to
+    o_proj's input: q / k RMSNorm (q_w1, k_w1 = 1 + their weights, [hd]), RoPE on the first R dims (cos, sin
+    [N, T, R]), K / V written at positions pos0[i].. of pool slot slots[i], causal attention of each row over its
+    own cached keys, times sigmoid(gate).
+
+    qkv [N, T, 2 nh hd + 2 nkv hd] fp32 (q|gate per head, then k, then v; last dim contiguous); k_cache, v_cache
+    [S, L, nkv, hd] fp32 (each slot contiguous). Returns [N, T, nh * hd] fp32."""
+    lib = _get()
+    if lib is None or not _enabled:
+        raise RuntimeError("CPU kernel unavailable")
+    N, T, P = qkv.shape
+    S, L = k_cache.shape[:2]
+    R = cos.shape[-1]
+    f32 = torch.float32
+    if not (qkv.dtype == k_cache.dtype == v_cache.dtype == cos.dtype == sin.dtype == q_w1.dtype == k_w1.dtype
+            == f32 and P == 2 * nh * hd + 2 * nkv * hd and nkv >= 1 and nh % nkv == 0
+            and k_cache.shape == v_cache.shape == (S, L, nkv, hd) and k_cache.stride() == v_cache.stride()
+            and k_cache.stride()[1:] == (nkv * hd, hd, 1) and cos.shape == sin.shape == (N, T, R)
+            and 0 <= R <= hd and R % 2 == 0 and q_w1.shape == k_w1.shape == (hd,)
+            and q_w1.stride() == k_w1.stride() == (1,)):
+        raise ValueError("attn_step: inconsistent shapes, dtypes or layouts (see its docstring)")
+    if not len(slots) == len(pos0) == len(set(slots)) == N:
+        raise ValueError("attn_step: one distinct pool slot and position per row")
+    for s_, p_ in zip(slots, pos0):
+        if not (0 <= s_ < S and 0 <= p_ and p_ + T <= L):
+            raise IndexError(f"pool slot {s_} / positions {p_}..{p_ + T - 1} outside [{S}, {L}]")
+    qkv, pitch = _rows(qkv)
+    cos, sin = cos.contiguous(), sin.contiguous()  # (contiguous: row r of the flattened [N*T, R] at r * R)
+    out = torch.empty(N, T, nh * hd, dtype=f32)
+    rc = lib.nextn_attn_step_f32(N, T, qkv.data_ptr(), pitch, q_w1.data_ptr(), k_w1.data_ptr(), eps,
+                                 cos.data_ptr(), sin.data_ptr(), R, k_cache.data_ptr(), v_cache.data_ptr(),
+                                 k_cache.stride(0), _i64s(slots), _i64s(pos0), nh, nkv, hd, scale, out.data_ptr())
+    if rc:
+        raise RuntimeError(f"CPU attention kernel failed (code {rc})")
+    return out
+
+
+def takes(x: torch.Tensor) -> bool:
+    """Whether `attn_step` and `rms_norm` take x: fp32 CPU activations that need no gradient (the kernels have no
+    backward), the kernel available."""
+    return x.dtype == torch.float32 and x.device.type == "cpu" and not x.requires_grad and _enabled \
+        and _get() is not None
+
+
+def rms_norm(x: torch.Tensor, w1: torch.Tensor, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) * w1 over the last dim (cpu_attn.c): x [..., H] fp32 (any layout), w1 = 1 + the
+    weight [H] fp32 contiguous. Returns a new contiguous tensor of x's shape."""
+    lib = _get()
+    if lib is None or not _enabled:
+        raise RuntimeError("CPU kernel unavailable")
+    H = x.shape[-1]
+    if not (x.dtype == w1.dtype == torch.float32 and w1.shape == (H,) and w1.is_contiguous()):
+        raise ValueError("rms_norm: x [..., H] and w1 [H] must be float32, w1 contiguous")
+    y = torch.empty(x.shape, dtype=torch.float32)
+    x2, pitch = _rows(x)  # rows of a view (q / k heads inside a projection): one pitch, or a copy
+    if H:
+        lib.nextn_rms_norm_f32(x.numel() // H, H, x2.data_ptr(), pitch, w1.data_ptr(), eps, y.data_ptr())
+    return y
+
+
+def gemm_takes(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether `linear_or_none` computes x @ w^T: fp32 CPU tensors that need no gradient, this CPU has AVX2 + FMA,
+    w contiguous [N, K] with K a multiple of 8 (decided by w and the machine alone, never by the row count)."""
+    return (_enabled and (_gemm if _tried else _get() is not None and _gemm)
+            and x.dtype == w.dtype == torch.float32 and x.device.type == "cpu"
+            and not x.requires_grad and not w.requires_grad and w.dim() == 2 and w.shape[1] > 0 and w.shape[1] % 8 == 0
+            and x.shape[-1] == w.shape[1] and w.is_contiguous())
+
+
+def linear_or_none(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+    """x [..., K] @ w [N, K]^T -> [..., N] fp32 (cpu_linear.c), or None when `gemm_takes(x, w)` is False (the
+    caller's GEMM then runs). Each output element is summed in a fixed order, so a row's bits never depend on the
+    other rows. The checks are the hot path's: one pass, no duplicate validation."""
+    if not gemm_takes(x, w):
+        return None
+    N, K = w.shape
+    x2, pitch = _rows(x)
+    M = x.numel() // K
+    y = torch.empty((*x.shape[:-1], N), dtype=torch.float32)
+    if M and _lib.nextn_linear_f32(M, N, K, x2.data_ptr(), pitch, w.data_ptr(), y.data_ptr()):  # type: ignore
+        raise RuntimeError("CPU GEMM failed")
+    return y
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """`linear_or_none` that raises (ValueError) instead of returning None."""
+    y = linear_or_none(x, w)
+    if y is None:
+        raise ValueError("linear: x [..., K], w [N, K] float32 CPU, w contiguous, K a multiple of 8, no gradient, "
+                         "the GEMM available (AVX2 + FMA)")
+    return y
+
+
+def mlp_or_none(x: torch.Tensor, w_gu: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor | None:
+    """SwiGLU down(silu(gate(x)) * up(x)) in one call (cpu_linear.c), or None when the GEMM does not take it (see
+    `gemm_takes`): x [..., H], w_gu [2I, H] (gate rows then up rows), w_down [H, I], contiguous fp32, H and I
+    multiples of 8. Returns [..., H]."""
+    if not (gemm_takes(x, w_gu) and w_down.dtype == torch.float32 and not w_down.requires_grad
+            and w_down.shape == (x.shape[-1], w_gu.shape[0] // 2) and w_gu.shape[0] % 16 == 0
+            and w_down.is_contiguous()):
+        return None
+    H, I = w_down.shape
+    x2, pitch = _rows(x)
+    M = x.numel() // H
+    y = torch.empty(x.shape, dtype=torch.float32)
+    if M and _lib.nextn_mlp_f32(M, H, I, x2.data_ptr(), pitch, w_gu.data_ptr(), w_down.data_ptr(),  # type: ignore
+                                y.data_ptr()):
+        raise RuntimeError("CPU MLP failed")
+    return y

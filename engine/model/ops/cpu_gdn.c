@@ -13,13 +13,17 @@
  * Token 0 reads the state in window slot read[i] of pool slot slots[i]; the state after token t is written to
  * window slot write0[i] + t (it may be slot read[i]: every state element is read before it is written).
  *
- * Every (row, token) runs the same code in the same order whatever N and T are, and no sum is reordered
- * (compiled without -ffast-math, with -ffp-contract=off), so a row's bits never depend on the batch or on T.
+ * silu is x / (1 + e^-x) with cpu_vec.h's exp; the state's columns run eight at a time (each still summed over the
+ * key dimension in order). Every (row, token) runs the same code in the same order whatever N and T are, and no
+ * sum is reordered (compiled without -ffast-math, with -ffp-contract=off), so a row's bits never depend on the
+ * batch or on T.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "cpu_vec.h"
 
 #define MAX_KC 16
 
@@ -50,16 +54,27 @@ int nextn_gdn_step_f32(int64_t N, int64_t T, const float *proj, int64_t proj_row
             const int64_t src_w = t == 0 ? read[i] : write0[i] + t - 1, dst_w = write0[i] + t;
             const float *cs = conv + slots[i] * conv_slot + src_w * conv_win;
             float *cd = conv + slots[i] * conv_slot + dst_w * conv_win;
-            for (int64_t c = 0; c < C; c++) {
+            if (Kc == 4) {  /* every Qwen3.5 config: the same products and sums as below, unrolled */
+                for (int64_t c = 0; c < C; c++) {
+                    const float s0 = cs[c * 3], s1 = cs[c * 3 + 1], s2 = cs[c * 3 + 2], xc = xp[c];
+                    const float *w = convw + c * 4;
+                    y[c] = ((s0 * w[0] + s1 * w[1]) + s2 * w[2]) + xc * w[3];
+                    cd[c * 3] = s1;
+                    cd[c * 3 + 1] = s2;
+                    cd[c * 3 + 2] = xc;
+                }
+            }
+            for (int64_t c = 0; Kc != 4 && c < C; c++) {
                 float win[MAX_KC];
                 memcpy(win, cs + c * S1, sizeof(float) * (size_t)S1);
                 win[S1] = xp[c];
                 const float *w = convw + c * Kc;
                 float acc = win[0] * w[0];
                 for (int64_t j = 1; j < Kc; j++) acc = acc + win[j] * w[j];
-                y[c] = acc * sigmoidf_(acc);
+                y[c] = acc;
                 memcpy(cd + c * S1, win + 1, sizeof(float) * (size_t)S1);
             }
+            silu_n_(y, C);
             for (int64_t h = 0; h < nk; h++) {
                 l2norm_(y + h * dk, qn + h * dk, dk, qscale);
                 l2norm_(y + Kd + h * dk, kn + h * dk, dk, 1.0f);
@@ -73,35 +88,50 @@ int nextn_gdn_step_f32(int64_t N, int64_t T, const float *proj, int64_t proj_row
                 const float decay = expf(neg_a[h] * softplusf_(xp[aoff + h] + dt_bias[h]));
                 const float *s0 = rs + h * dk * dv;
                 float *s = rd + h * dk * dv;
-                for (int64_t j = 0; j < dv; j++) u[j] = 0.0f;
-                for (int64_t a = 0; a < dk; a++) {
-                    const float ka = k[a];
-                    for (int64_t j = 0; j < dv; j++) {
+                int64_t j = 0;
+                for (; j + 8 <= dv; j += 8) {  /* eight columns at a time, each summed over a in order */
+                    v8 uj = splat8_(0.0f);
+                    for (int64_t a = 0; a < dk; a++) {
+                        const v8 sv = ld8_(s0 + a * dv + j) * decay;
+                        st8_(s + a * dv + j, sv);
+                        uj = uj + sv * k[a];
+                    }
+                    st8_(u + j, uj);
+                }
+                for (; j < dv; j++) {
+                    u[j] = 0.0f;
+                    for (int64_t a = 0; a < dk; a++) {
                         const float sv = s0[a * dv + j] * decay;
                         s[a * dv + j] = sv;
-                        u[j] = u[j] + sv * ka;
+                        u[j] = u[j] + sv * k[a];
                     }
                 }
-                for (int64_t j = 0; j < dv; j++) {
-                    delta[j] = beta * (v[j] - u[j]);
-                    o[j] = 0.0f;
+                for (j = 0; j < dv; j++) delta[j] = beta * (v[j] - u[j]);
+                for (j = 0; j + 8 <= dv; j += 8) {
+                    const v8 dj = ld8_(delta + j);
+                    v8 oj = splat8_(0.0f);
+                    for (int64_t a = 0; a < dk; a++) {
+                        const v8 sv = ld8_(s + a * dv + j) + k[a] * dj;
+                        st8_(s + a * dv + j, sv);
+                        oj = oj + sv * q[a];
+                    }
+                    st8_(o + j, oj);
                 }
-                for (int64_t a = 0; a < dk; a++) {
-                    const float ka = k[a], qa = q[a];
-                    for (int64_t j = 0; j < dv; j++) {
-                        const float sv = s[a * dv + j] + ka * delta[j];
+                for (; j < dv; j++) {
+                    o[j] = 0.0f;
+                    for (int64_t a = 0; a < dk; a++) {
+                        const float sv = s[a * dv + j] + k[a] * delta[j];
                         s[a * dv + j] = sv;
-                        o[j] = o[j] + sv * qa;
+                        o[j] = o[j] + sv * q[a];
                     }
                 }
                 float ss = 0.0f;
-                for (int64_t j = 0; j < dv; j++) ss += o[j] * o[j];
+                for (j = 0; j < dv; j++) ss += o[j] * o[j];
                 const float rn = 1.0f / sqrtf(ss / (float)dv + norm_eps);
                 const float *z = xp + zoff + h * dv;
-                for (int64_t j = 0; j < dv; j++) {
-                    const float zj = z[j];
-                    op[h * dv + j] = (norm_w[j] * (o[j] * rn)) * (zj * sigmoidf_(zj));
-                }
+                for (j = 0; j < dv; j++) o[j] = norm_w[j] * (o[j] * rn);
+                for (j = 0; j + 8 <= dv; j += 8) st8_(op + h * dv + j, ld8_(o + j) * silu8_(ld8_(z + j)));
+                if (j < dv) stn_(op + h * dv + j, ldn_(o + j, dv - j, 0.0f) * silu8_(ldn_(z + j, dv - j, 0.0f)), dv - j);
             }
         }
     }

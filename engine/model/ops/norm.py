@@ -41,9 +41,10 @@ def const(value: float, like: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _one_plus(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """1 + w in `dtype`, kept on the weight (attribute `_nextn_one_plus`) and recomputed when the weight's
-    version, storage or the dtype changes (an in-place edit, `.data =`, a device move)."""
+def one_plus(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """1 + w in `dtype` (the zero-centred norm's scale), kept on the weight (attribute `_nextn_one_plus`) and
+    recomputed when the weight's version, storage or the dtype changes (an in-place edit, `.data =`, a device
+    move)."""
     if w.is_inference() or w.requires_grad:  # no version counter / a graph to keep: compute it
         return 1.0 + as_dtype(w, dtype)
     key = (w._version, w.data_ptr(), dtype)
@@ -68,7 +69,7 @@ def _rms(xf: torch.Tensor, eps: float) -> torch.Tensor:
 def rms_norm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """Twin: x * rsqrt(mean(x^2) + eps) * (1 + w), in fp32 (fp64 for fp64), cast to x's dtype. x [..., H], w [H]."""
     xf = _f(x)
-    return as_dtype(_rms(xf, eps) * _one_plus(w, xf.dtype), x.dtype)
+    return as_dtype(_rms(xf, eps) * one_plus(w, xf.dtype), x.dtype)
 
 
 def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor,

@@ -1,0 +1,159 @@
+/* nextn CPU kernels: the gated attention token step over the KV pool, and the zero-centred RMSNorm
+ * (engine/model/ops/cpu.py builds and calls them; their torch twins are GatedAttention.forward's torch path in
+ * engine/model/qwen35.py and norm.rms_norm_ref).
+ *
+ * nextn_attn_step_f32, per row i and token t (t = 0..T-1, in order), from the fused q|gate, k, v projection to
+ * the gated attention output (o_proj's input):
+ *   q, k:  per head, x * rsqrt(mean(x^2) + eps) * w1 (w1 = 1 + weight, from the caller); then NeoX RoPE on the
+ *          first R dims: x[j] * cos[j] + rot[j] * sin[j], rot = (-x[R/2..R-1], x[0..R/2-1])
+ *   cache: k and v of token t go to position pos0[i] + t of pool slot slots[i]
+ *   attn:  query head h reads kv head h / (nh / nkv) over positions 0..pos0[i] + t: s_j = (q . k_j) * scale,
+ *          p = softmax(s), o = sum_j p_j v_j
+ *   gate:  out = o * sigmoid(gate)
+ * nextn_rms_norm_f32: y = x * rsqrt(sum(x^2) / H + eps) * w1, per row.
+ *
+ * Every (row, token) runs the same code in the same order whatever N and T are, and no sum is reordered by the
+ * compiler (no -ffast-math, -ffp-contract=off; the 8-lane partial sums are written out), so a row's bits never
+ * depend on the batch or on T.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_vec.h"
+
+/* sum of a[j] * b[j], j < n: eight partial sums (lane l takes j = l mod 8 in order), then hsum8_'s fixed tree */
+static inline float dot_(const float *a, const float *b, int64_t n) {
+    v8 acc = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) acc = acc + ld8_(a + j) * ld8_(b + j);
+    for (int l = 0; j < n; j++, l++) acc[l] = acc[l] + a[j] * b[j];
+    return hsum8_(acc);
+}
+
+/* o = softmax(scale * q . k_j) . v_j over keys j < n of one kv head (rows kd floats apart); p: n floats of
+ * scratch. Sums run over j ascending in eight lanes (lane l takes j = l mod 8) then a fixed tree; the score of
+ * key j is dot_(q, k_j) whichever loop computes it. */
+static void attend_(const float *q, const float *k, const float *v, int64_t kd, int64_t n, int64_t hd, float scale,
+                    float *p, float *o) {
+    int64_t j = 0;
+    if (hd % 8 == 0) {  /* four keys at a time: the same per-key sums as dot_, with independent chains */
+        for (; j + 4 <= n; j += 4) {
+            const float *k0 = k + j * kd, *k1 = k0 + kd, *k2 = k1 + kd, *k3 = k2 + kd;
+            v8 a0 = {0, 0, 0, 0, 0, 0, 0, 0}, a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t d = 0; d < hd; d += 8) {
+                const v8 qv = ld8_(q + d);
+                a0 = a0 + qv * ld8_(k0 + d);
+                a1 = a1 + qv * ld8_(k1 + d);
+                a2 = a2 + qv * ld8_(k2 + d);
+                a3 = a3 + qv * ld8_(k3 + d);
+            }
+            p[j] = hsum8_(a0) * scale;
+            p[j + 1] = hsum8_(a1) * scale;
+            p[j + 2] = hsum8_(a2) * scale;
+            p[j + 3] = hsum8_(a3) * scale;
+        }
+    }
+    for (; j < n; j++) p[j] = dot_(q, k + j * kd, hd) * scale;
+    float m = -INFINITY;
+    for (j = 0; j < n; j++) m = p[j] > m ? p[j] : m;  /* a max does not depend on the order */
+    v8 acc = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (j = 0; j + 8 <= n; j += 8) {
+        const v8 e = exp8_(ld8_(p + j) - m);
+        memcpy(p + j, &e, sizeof e);
+        acc = acc + e;
+    }
+    if (j < n) {  /* the tail as one padded vector: the same per-lane operations */
+        const v8 e = exp8_(ldn_(p + j, n - j, m) - m);
+        for (int64_t i = j; i < n; i++) {
+            p[i] = e[i - j];
+            acc[i - j] = acc[i - j] + e[i - j];
+        }
+    }
+    const float inv = 1.0f / hsum8_(acc);
+    for (j = 0; j < n; j++) p[j] = p[j] * inv;
+    int64_t d = 0;
+    for (; d + 8 <= hd; d += 8) {  /* o[d..d+7] = sum_j p_j v_j: four chains (j mod 4), then (c0 + c1) + (c2 + c3) */
+        v8 c0 = {0, 0, 0, 0, 0, 0, 0, 0}, c1 = c0, c2 = c0, c3 = c0;
+        const float *vd = v + d;
+        for (j = 0; j + 4 <= n; j += 4) {
+            c0 = c0 + p[j] * ld8_(vd + j * kd);
+            c1 = c1 + p[j + 1] * ld8_(vd + (j + 1) * kd);
+            c2 = c2 + p[j + 2] * ld8_(vd + (j + 2) * kd);
+            c3 = c3 + p[j + 3] * ld8_(vd + (j + 3) * kd);
+        }
+        if (j < n) c0 = c0 + p[j] * ld8_(vd + j * kd);
+        if (j + 1 < n) c1 = c1 + p[j + 1] * ld8_(vd + (j + 1) * kd);
+        if (j + 2 < n) c2 = c2 + p[j + 2] * ld8_(vd + (j + 2) * kd);
+        const v8 r = (c0 + c1) + (c2 + c3);
+        memcpy(o + d, &r, sizeof r);
+    }
+    for (; d < hd; d++) {  /* the same chains, one lane */
+        float c[4] = {0, 0, 0, 0};
+        for (j = 0; j < n; j++) c[j % 4] = c[j % 4] + p[j] * v[j * kd + d];
+        o[d] = (c[0] + c[1]) + (c[2] + c[3]);
+    }
+}
+
+static inline void rms_(const float *x, const float *w1, float eps, int64_t n, float *y) {
+    const float r = 1.0f / sqrtf(dot_(x, x, n) / (float)n + eps);
+    for (int64_t j = 0; j < n; j++) y[j] = (x[j] * r) * w1[j];
+}
+
+/* y = rms(x) then rotate the first R dims with cos / sin [R] */
+static inline void rms_rope_(const float *x, const float *w1, float eps, int64_t n, const float *c,
+                             const float *s, int64_t R, float *y) {
+    float tmp[R > 0 ? R : 1];
+    rms_(x, w1, eps, n, y);
+    const int64_t h = R / 2;
+    for (int64_t j = 0; j < R; j++) {
+        const float rot = j < h ? -y[j + h] : y[j - h];
+        tmp[j] = y[j] * c[j] + rot * s[j];
+    }
+    memcpy(y, tmp, sizeof(float) * (size_t)R);
+}
+
+int nextn_attn_step_f32(int64_t N, int64_t T, const float *qkv, int64_t qkv_row, const float *qw1,
+                        const float *kw1, float eps, const float *cos, const float *sin, int64_t R, float *kc,
+                        float *vc, int64_t cache_slot, const int64_t *slots, const int64_t *pos0, int64_t nh,
+                        int64_t nkv, int64_t hd, float scale, float *out) {
+    if (nkv < 1 || nh % nkv != 0 || R < 0 || R > hd || R % 2) return 1;
+    const int64_t g = nh / nkv, kd = nkv * hd;
+    int64_t smax = 0;
+    for (int64_t i = 0; i < N; i++) smax = pos0[i] + T > smax ? pos0[i] + T : smax;
+    float *p = malloc(sizeof(float) * (size_t)(smax + 2 * hd));
+    if (!p) return 2;
+    float *q = p + smax, *o = q + hd;
+    for (int64_t i = 0; i < N; i++) {
+        float *ks = kc + slots[i] * cache_slot, *vs = vc + slots[i] * cache_slot;
+        for (int64_t t = 0; t < T; t++) {
+            const int64_t row = i * T + t, pos = pos0[i] + t;
+            const float *x = qkv + row * qkv_row, *c = cos + row * R, *s = sin + row * R;
+            for (int64_t h = 0; h < nkv; h++) {
+                rms_rope_(x + 2 * nh * hd + h * hd, kw1, eps, hd, c, s, R, ks + pos * kd + h * hd);
+                memcpy(vs + pos * kd + h * hd, x + 2 * nh * hd + kd + h * hd, sizeof(float) * (size_t)hd);
+            }
+            for (int64_t h = 0; h < nh; h++) {
+                const int64_t kh = h / g;
+                rms_rope_(x + h * 2 * hd, qw1, eps, hd, c, s, R, q);
+                attend_(q, ks + kh * hd, vs + kh * hd, kd, pos + 1, hd, scale, p, o);
+                const float *gate = x + h * 2 * hd + hd;
+                float *op = out + row * nh * hd + h * hd;
+                int64_t d = 0;  /* o * sigmoid(gate) */
+                for (; d + 8 <= hd; d += 8) st8_(op + d, ld8_(o + d) * (1.0f / (1.0f + exp8_(-ld8_(gate + d)))));
+                if (d < hd)
+                    stn_(op + d, ldn_(o + d, hd - d, 0.0f) * (1.0f / (1.0f + exp8_(-ldn_(gate + d, hd - d, 0.0f)))),
+                         hd - d);
+            }
+        }
+    }
+    free(p);
+    return 0;
+}
+
+int nextn_rms_norm_f32(int64_t rows, int64_t H, const float *x, int64_t ldx, const float *w1, float eps,
+                       float *y) {
+    for (int64_t i = 0; i < rows; i++) rms_(x + i * ldx, w1, eps, H, y + i * H);
+    return 0;
+}

@@ -1,0 +1,132 @@
+/* nextn CPU kernels: the small-M GEMM of a step forward's projections, y = x W^T, and the SwiGLU MLP built on it
+ * (engine/model/ops/cpu.py builds and calls them; their torch twins are F.linear and MLP's torch path in
+ * engine/model/moe.py).
+ *
+ * Every output element y[m, n] is the same computation wherever it sits in the launch: eight AVX2 lanes, lane l
+ * accumulating x[m, k] * W[n, k] for k = l mod 8 in ascending k with fused multiply-adds, then the fixed tree
+ * ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)). The tiles below (1 x 8, 4 x 3 and their remainders) only
+ * choose which elements are computed together, never the order of a sum, so a row's bits do not depend on how many
+ * rows the launch has: verify (K+1 rows per session), plain decode (1) and any batch agree bitwise.
+ *
+ * The code needs AVX2 and FMA (nextn_linear_ok() says whether this CPU has them; K must be a multiple of 8):
+ * otherwise the caller keeps torch's GEMM.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <immintrin.h>
+
+#include "cpu_vec.h"
+
+#define TGT __attribute__((target("avx2,fma")))
+
+int nextn_linear_ok(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+TGT static inline float hsum256_(__m256 a) {
+    const __m128 lo = _mm256_castps256_ps128(a), hi = _mm256_extractf128_ps(a, 1);
+    const __m128 s = _mm_add_ps(lo, hi);                   /* l0+l4, l1+l5, l2+l6, l3+l7 */
+    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));   /* (l0+l4)+(l2+l6), (l1+l5)+(l3+l7) */
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+/* y[i, j] (i < MR <= 4, j < NR <= 3) for x rows ldx apart and W rows ldw apart; y rows ldy apart */
+TGT static void tile_(int64_t MR, int64_t NR, int64_t K, const float *x, int64_t ldx, const float *W, int64_t ldw,
+                      float *y, int64_t ldy) {
+    if (MR == 4 && NR == 3) {
+        const float *w0 = W, *w1 = W + ldw, *w2 = W + 2 * ldw;
+        const float *x0 = x, *x1 = x + ldx, *x2 = x + 2 * ldx, *x3 = x + 3 * ldx;
+        __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a10 = a00, a11 = a00, a12 = a00;
+        __m256 a20 = a00, a21 = a00, a22 = a00, a30 = a00, a31 = a00, a32 = a00;
+        for (int64_t k = 0; k < K; k += 8) {
+            const __m256 b0 = _mm256_loadu_ps(w0 + k), b1 = _mm256_loadu_ps(w1 + k), b2 = _mm256_loadu_ps(w2 + k);
+            __m256 v = _mm256_loadu_ps(x0 + k);
+            a00 = _mm256_fmadd_ps(v, b0, a00); a01 = _mm256_fmadd_ps(v, b1, a01); a02 = _mm256_fmadd_ps(v, b2, a02);
+            v = _mm256_loadu_ps(x1 + k);
+            a10 = _mm256_fmadd_ps(v, b0, a10); a11 = _mm256_fmadd_ps(v, b1, a11); a12 = _mm256_fmadd_ps(v, b2, a12);
+            v = _mm256_loadu_ps(x2 + k);
+            a20 = _mm256_fmadd_ps(v, b0, a20); a21 = _mm256_fmadd_ps(v, b1, a21); a22 = _mm256_fmadd_ps(v, b2, a22);
+            v = _mm256_loadu_ps(x3 + k);
+            a30 = _mm256_fmadd_ps(v, b0, a30); a31 = _mm256_fmadd_ps(v, b1, a31); a32 = _mm256_fmadd_ps(v, b2, a32);
+        }
+        y[0] = hsum256_(a00); y[1] = hsum256_(a01); y[2] = hsum256_(a02);
+        y += ldy; y[0] = hsum256_(a10); y[1] = hsum256_(a11); y[2] = hsum256_(a12);
+        y += ldy; y[0] = hsum256_(a20); y[1] = hsum256_(a21); y[2] = hsum256_(a22);
+        y += ldy; y[0] = hsum256_(a30); y[1] = hsum256_(a31); y[2] = hsum256_(a32);
+        return;
+    }
+    __m256 acc[4][3];
+    for (int i = 0; i < 4; i++)
+        for (int j = 0; j < 3; j++) acc[i][j] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8) {
+        __m256 b[3];
+        for (int64_t j = 0; j < NR; j++) b[j] = _mm256_loadu_ps(W + j * ldw + k);
+        for (int64_t i = 0; i < MR; i++) {
+            const __m256 v = _mm256_loadu_ps(x + i * ldx + k);
+            for (int64_t j = 0; j < NR; j++) acc[i][j] = _mm256_fmadd_ps(v, b[j], acc[i][j]);
+        }
+    }
+    for (int64_t i = 0; i < MR; i++)
+        for (int64_t j = 0; j < NR; j++) y[i * ldy + j] = hsum256_(acc[i][j]);
+}
+
+/* one row: eight W rows at a time */
+TGT static void row_(int64_t N, int64_t K, const float *x, const float *W, int64_t ldw, float *y) {
+    int64_t n = 0;
+    for (; n + 8 <= N; n += 8) {
+        const float *w = W + n * ldw;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+        for (int64_t k = 0; k < K; k += 8) {
+            const __m256 v = _mm256_loadu_ps(x + k);
+            a0 = _mm256_fmadd_ps(v, _mm256_loadu_ps(w + k), a0);
+            a1 = _mm256_fmadd_ps(v, _mm256_loadu_ps(w + ldw + k), a1);
+            a2 = _mm256_fmadd_ps(v, _mm256_loadu_ps(w + 2 * ldw + k), a2);
+            a3 = _mm256_fmadd_ps(v, _mm256_loadu_ps(w + 3 * ldw + k), a3);
+            a4 = _mm256_fmadd_ps(v, _mm256_loadu_ps(w + 4 * ldw + k), a4);
+            a5 = _mm256_fmadd_ps(v, _mm256_loadu_ps(w + 5 * ldw + k), a5);
+            a6 = _mm256_fmadd_ps(v, _mm256_loadu_ps(w + 6 * ldw + k), a6);
+            a7 = _mm256_fmadd_ps(v, _mm256_loadu_ps(w + 7 * ldw + k), a7);
+        }
+        y[n] = hsum256_(a0); y[n + 1] = hsum256_(a1); y[n + 2] = hsum256_(a2); y[n + 3] = hsum256_(a3);
+        y[n + 4] = hsum256_(a4); y[n + 5] = hsum256_(a5); y[n + 6] = hsum256_(a6); y[n + 7] = hsum256_(a7);
+    }
+    for (; n < N; n += 3) tile_(1, N - n < 3 ? N - n : 3, K, x, 0, W + n * ldw, ldw, y + n, 0);
+}
+
+TGT static void gemm_(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx, const float *W, float *y) {
+    if (M == 1) {
+        row_(N, K, x, W, K, y);
+        return;
+    }
+    for (int64_t n = 0; n < N; n += 3)  /* a 3-row block of W stays in L1 while every row of x passes */
+        for (int64_t m = 0; m < M; m += 4)
+            tile_(M - m < 4 ? M - m : 4, N - n < 3 ? N - n : 3, K, x + m * ldx, ldx, W + n * K, K,
+                  y + m * N + n, N);
+}
+
+/* y [M, N] = x [M, K] (rows ldx apart) @ W [N, K]^T (contiguous); K % 8 == 0 */
+int nextn_linear_f32(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx, const float *W, float *y) {
+    if (K % 8 || !nextn_linear_ok()) return 1;
+    gemm_(M, N, K, x, ldx, W, y);
+    return 0;
+}
+
+/* SwiGLU: y [M, H] = (silu(g) * u) @ Wd^T with g | u = x @ Wgu^T (Wgu [2I, H]: gate rows then up rows, Wd [H, I]);
+ * silu(g) * u = (g * (1 / (1 + e^-g))) * u with cpu_vec.h's exp. H % 8 == 0 and I % 8 == 0. */
+int nextn_mlp_f32(int64_t M, int64_t H, int64_t I, const float *x, int64_t ldx, const float *Wgu, const float *Wd,
+                  float *y) {
+    if (H % 8 || I % 8 || !nextn_linear_ok()) return 1;
+    float *gu = malloc(sizeof(float) * (size_t)(M * 2 * I));
+    if (!gu) return 2;
+    gemm_(M, 2 * I, H, x, ldx, Wgu, gu);
+    for (int64_t m = 0; m < M; m++) {  /* the activation in place over the gate half: row m is [I] at gu + m * 2I */
+        float *g = gu + m * 2 * I;
+        const float *u = g + I;
+        for (int64_t i = 0; i < I; i += 8) st8_(g + i, silu8_(ld8_(g + i)) * ld8_(u + i));
+    }
+    gemm_(M, H, I, gu, 2 * I, Wd, y);
+    free(gu);
+    return 0;
+}

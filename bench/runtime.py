@@ -8,14 +8,16 @@
      hidden 256, vocab 2048, no MTP);
   5. where a round's time goes (cProfile of the engine alone, K = 3, one session and a batch of 8).
 
-Server and engine both run with one torch thread (OMP_NUM_THREADS=1; the client gets the other core). The
+Server and engine both run with one torch thread (OMP_NUM_THREADS=1; the client gets the other core); with
+--cpu-kernel-threads 2 the demo's servers and the engine alone give nextn's C kernels a helper thread (the
+transformers comparison keeps one thread on both sides). The
 measurements are interleaved: every server stays up for the whole run and each repetition takes every figure
 once, in turn, so load from other processes hits numerator and denominator alike; each figure is the best of the
 repetitions, and each ratio is given twice: the ratio of the bests, and the median (with the range) of the
 repetitions' own ratios, whose two terms were measured a minute apart (the steadier reading on a noisy box). The
 load average is printed with the figures.
 
-    .venv/bin/python bench/runtime.py [--tokens 128] [--repeat 3] [--device cpu|cuda]
+    .venv/bin/python bench/runtime.py [--tokens 128] [--repeat 3] [--device cpu|cuda] [--cpu-kernel-threads 1|2]
 
 --device cuda runs the servers, the engine and the transformers peer on the GPU (the servers need nextn's
 serving dependencies there: fastapi, uvicorn, pydantic, prometheus-client, llguidance, jinja2, httpx).
@@ -225,11 +227,15 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--no-cpu-kernel", action="store_true", help="torch ops for the GDN step (servers and engine)")
+    ap.add_argument("--cpu-kernel-threads", type=int, default=1, choices=[1, 2],
+                    help="the C kernels' threads in the demo's servers and the engine alone")
     args = ap.parse_args()
     dev = args.device
     torch.set_num_threads(1)
     cpu.set_enabled(not args.no_cpu_kernel)
     extra = ["--no-cpu-kernel"] if args.no_cpu_kernel else []
+    cpu.set_threads(args.cpu_kernel_threads)  # the engine alone; the demo's servers get the same below
+    demo_extra = [*extra, "--cpu-threads", "1", "--cpu-kernel-threads", str(args.cpu_kernel_threads)]
     n, rep = args.tokens, args.repeat
     tok = Tokenizer.from_dir(DEMO)
     chats = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}], enable_thinking=False))
@@ -240,8 +246,9 @@ def main() -> int:
     prompt = list(range(10, 42))
     hf = HfPeer(ckpt, prompt, n, dev)
     load0 = os.getloadavg()
-    servers = {"k3": Server(DEMO, k=3, device=dev, extra=extra), "k0": Server(DEMO, k=0, device=dev, extra=extra),
-               "hf256": Server(ckpt, k=0, device=dev, extra=extra)}
+    servers = {"k3": Server(DEMO, k=3, device=dev, extra=demo_extra),
+               "k0": Server(DEMO, k=0, device=dev, extra=demo_extra),
+               "hf256": Server(ckpt, k=0, device=dev, extra=[*extra, "--cpu-kernel-threads", "1"])}
     runs: dict[str, list[float]] = {}
     try:
         models = {name: srv.model_id() for name, srv in servers.items()}
@@ -262,7 +269,8 @@ def main() -> int:
             srv.close()
     load1 = os.getloadavg()
     f = {key: max(v) for key, v in runs.items()}
-    flag = " --no-cpu-kernel" if args.no_cpu_kernel else ""
+    flag = (" --no-cpu-kernel" if args.no_cpu_kernel else "") + (
+        f" --cpu-kernel-threads {args.cpu_kernel_threads}" if args.cpu_kernel_threads != 1 else "")
     out = [f"`.venv/bin/python bench/runtime.py --tokens {n} --repeat {rep} --device {dev}{flag}` (demo model, "
            f"greedy, ignore_eos, {n} tokens per client, interleaved, best of {rep}, one torch thread; "
            f"{cpu.describe(dev, demo.config.dtype) or 'GPU'}; load average {load0[0]:.2f} before, {load1[0]:.2f} "
@@ -283,6 +291,7 @@ def main() -> int:
            f"| nextn server plain greedy, same checkpoint, 1 client | {f['ours']:.1f} | {_ratio(runs, 'ours', 'hf')} "
            f"transformers | >= 2x |", "", f"transformers peer: {hf.describe()}.", ""]
     if dev == "cpu":
+        cpu.set_threads(1)  # cProfile of the single-thread round
         out.append("Round profile (cProfile, engine alone, K=3): one session: "
                    + profile_round(demo, chats[:1], n, 3) + "; batch of 8: " + profile_round(demo, eight, n, 3))
     print("\n".join(out))

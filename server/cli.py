@@ -127,9 +127,12 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for level, note in notes:
         log.log(level, "%s", note)
+    from engine.model.ops import cpu
+
     if settings.device == "cpu" and settings.cpu_threads is not None:
         torch.set_num_threads(settings.cpu_threads)
-    from engine.model.ops import cpu
+    if settings.device == "cpu" and settings.cpu_kernel_threads is not None:
+        cpu.set_threads(settings.cpu_kernel_threads)
 
     cpu.set_enabled(settings.cpu_kernel)
     dtype = None if settings.dtype == "auto" else settings.dtype
@@ -171,8 +174,8 @@ def build_server(settings: ServeSettings, model: Any, tokenizer: Any, **worker_k
         from server.engine_proc import EngineProcess, EngineSetup
 
         setup = EngineSetup(settings.model_dir, settings.device, None if settings.dtype == "auto" else settings.dtype,
-                            settings.cpu_threads, settings.cpu_kernel, settings.log_level, k, settings.spec_draft_p_min,
-                            settings.spec_capmax, settings.max_num_seqs, settings.max_model_len,
+                            settings.cpu_threads, settings.cpu_kernel, settings.cpu_kernel_threads, settings.log_level,
+                            k, settings.spec_draft_p_min, settings.spec_capmax, settings.max_num_seqs, settings.max_model_len,
                             settings.max_num_batched_tokens, settings.grammar_max_bytes,
                             settings.grammar_compile_timeout, settings.grammar_cache_size, **worker_kw)
         worker = EngineProcess(setup, metrics, max_queue=settings.max_queue, max_num_seqs=settings.max_num_seqs)

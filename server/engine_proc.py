@@ -56,6 +56,7 @@ class EngineSetup:
     dtype: str | None  # None: the checkpoint's / the device's default
     cpu_threads: int | None
     cpu_kernel: bool
+    cpu_kernel_threads: int | None
     log_level: str
     k: int
     p_min: float
@@ -209,9 +210,12 @@ def _engine_main(setup: EngineSetup, cmds: Connection, out: Connection) -> None:
     from engine.spec import SpecSession
     from server.worker import Worker
 
+    from engine.model.ops import cpu
+
     if setup.device == "cpu" and setup.cpu_threads is not None:
         torch.set_num_threads(setup.cpu_threads)
-    from engine.model.ops import cpu
+    if setup.device == "cpu" and setup.cpu_kernel_threads is not None:
+        cpu.set_threads(setup.cpu_kernel_threads)
 
     cpu.set_enabled(setup.cpu_kernel)
     try:

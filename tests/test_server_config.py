@@ -82,22 +82,23 @@ def test_auto_values_are_resolved_with_notes(tmp_path):
     s = ServeSettings(model_dir=tmp_path)
     r, notes = resolve(s, cuda_available=False, max_position_embeddings=262144, has_mtp=False, cores=4, environ={})
     assert (r.device, r.dtype, r.served_model_name, r.max_model_len) == ("cpu", "float32", tmp_path.name, 4096)
-    assert r.num_speculative_tokens == 0 and r.cpu_threads == 3
+    assert r.num_speculative_tokens == 0 and r.cpu_threads == 3 and r.cpu_kernel_threads == 2
     text = "\n".join(msg for _, msg in notes)
     assert all(w in text for w in ("device auto -> cpu", "dtype auto -> float32", "served_model_name None -> ",
                                    "max_model_len None -> 4096", "num_speculative_tokens 3 -> 0",
-                                   "cpu_threads None -> 3 (4 usable core(s)"))
+                                   "cpu_threads None -> 3 (4 usable core(s)",
+                                   "cpu_kernel_threads None -> 2 (cpu_threads 3)"))
     assert notes[-1][0] == logging.WARNING
     # threads: OMP_NUM_THREADS wins over the core count; one core still gets one thread; cuda leaves torch's
     for env, cores, want in (({"OMP_NUM_THREADS": "5"}, 4, 5), ({}, 1, 1), ({"OMP_NUM_THREADS": "x"}, 2, 1)):
-        assert resolve(s, cuda_available=False, max_position_embeddings=4096, has_mtp=True, cores=cores,
-                       environ=env)[0].cpu_threads == want
-    assert resolve(s, cuda_available=True, max_position_embeddings=4096, has_mtp=True, cores=8,
-                   environ={})[0].cpu_threads is None
+        r = resolve(s, cuda_available=False, max_position_embeddings=4096, has_mtp=True, cores=cores, environ=env)[0]
+        assert r.cpu_threads == want and r.cpu_kernel_threads == min(2, want)
+    r = resolve(s, cuda_available=True, max_position_embeddings=4096, has_mtp=True, cores=8, environ={})[0]
+    assert r.cpu_threads is None and r.cpu_kernel_threads is None
     r, notes = resolve(ServeSettings(model_dir=tmp_path, device="cpu", dtype="bfloat16", served_model_name="x",
-                                     max_model_len=100, cpu_threads=2), cuda_available=False,
+                                     max_model_len=100, cpu_threads=2, cpu_kernel_threads=1), cuda_available=False,
                        max_position_embeddings=4096, has_mtp=True)
-    assert notes == [] and r.num_speculative_tokens == 3 and r.cpu_threads == 2
+    assert notes == [] and r.num_speculative_tokens == 3 and r.cpu_threads == 2 and r.cpu_kernel_threads == 1
     with pytest.raises(SettingsError):
         resolve(ServeSettings(model_dir=tmp_path, device="cuda"), cuda_available=False,
                 max_position_embeddings=4096, has_mtp=True)
@@ -194,3 +195,25 @@ def test_no_cpu_kernel_reaches_the_engine_process_and_serves():
                                                        "ignore_eos": True}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
     assert any("step GEMMs: torch ops (--no-cpu-kernel)" in line for line in stderr), stderr
+
+
+@pytest.mark.skipif(not cpu.available(), reason="no C compiler: the torch path runs")
+def test_cpu_kernel_threads_reach_the_engine_process_and_keep_the_tokens():
+    """Two kernel threads in the engine process (logged at startup): the same greedy tokens as the C kernels on one
+    thread in this process (which thread computes an output never changes its bits)."""
+    from engine.loader import load_model
+    from engine.spec import generate_spec
+
+    prompt = list(range(5, 25))
+    prev = cpu.set_threads(1)
+    try:
+        want = generate_spec(load_model(tiny_checkpoint()), prompt, 12, k=3)[0]
+    finally:
+        cpu.set_threads(prev)
+    with nextn_serve(str(tiny_checkpoint()), "--cpu-kernel-threads", "2") as (base, stderr):
+        r = httpx.post(base + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 12,
+                                                       "ignore_eos": True, "return_token_ids": True, "temperature": 0},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == want
+    assert any("C kernels" in line and "on 2 threads" in line for line in stderr), stderr

@@ -45,9 +45,9 @@ import torch
 
 log = logging.getLogger("nextn.cpu_kernels")
 
-SOURCES = tuple(Path(__file__).with_name(f) for f in ("cpu_gdn.c", "cpu_attn.c", "cpu_linear.c"))
-HEADERS = (Path(__file__).with_name("cpu_vec.h"),)
-FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC")
+SOURCES = tuple(Path(__file__).with_name(f) for f in ("cpu_gdn.c", "cpu_attn.c", "cpu_linear.c", "cpu_par.c"))
+HEADERS = tuple(Path(__file__).with_name(f) for f in ("cpu_vec.h", "cpu_par.h"))
+FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-pthread", "-shared", "-fPIC")
 
 
 def _cpu_flags() -> tuple[str, ...]:
@@ -69,6 +69,8 @@ _tried = False
 _enabled = True
 _why = ""  # why the kernel is unavailable (set by a failed build)
 _gemm = False  # the CPU has AVX2 and FMA: cpu_linear.c's GEMM runs (set by the build)
+_threads = 1  # threads the kernels may use (cpu_par.c: 1 or 2), applied to the library when it is built
+MAX_THREADS = 2  # cpu_par.c runs the calling thread and one helper
 
 
 def _cache_dir() -> Path:
@@ -138,6 +140,8 @@ def _build() -> ctypes.CDLL | None:
     fn = lib.nextn_mlp_f32
     fn.argtypes = [i64, i64, i64, ptr, i64, ptr, ptr, ptr]
     fn.restype = ctypes.c_int
+    lib.nextn_set_threads.argtypes, lib.nextn_set_threads.restype = [ctypes.c_int], ctypes.c_int
+    lib.nextn_set_threads(_threads)
     log.info("CPU kernel ready: %s", so)
     return lib
 
@@ -156,6 +160,23 @@ def _get() -> ctypes.CDLL | None:
 def available() -> bool:
     """Whether the kernel is enabled and built (builds it on the first call)."""
     return _enabled and _get() is not None
+
+
+def set_threads(n: int) -> int:
+    """Let the kernels use up to `n` threads (capped at MAX_THREADS): a GEMM's column blocks, a token step's rows and
+    the MLP's gate|up blocks are then shared by the calling thread and one helper (cpu_par.c) when a job is large
+    enough to repay the hand-off. Each item is computed by the same code on either thread, so no bit depends on it.
+    Returns the previous setting."""
+    global _threads
+    prev, _threads = _threads, max(1, min(MAX_THREADS, int(n)))
+    if _lib is not None:
+        _lib.nextn_set_threads(_threads)
+    return prev
+
+
+def threads() -> int:
+    """The threads the kernels may use (`set_threads`)."""
+    return _threads
 
 
 def set_enabled(on: bool) -> bool:
@@ -179,7 +200,8 @@ def describe(device: torch.device | str, dtype: torch.dtype) -> str | None:
     if _get() is None:
         return f"{what}: torch ops (C kernels unavailable: {_why})"
     gemm = "" if _gemm else "; GEMMs: torch (this CPU lacks AVX2 + FMA)"
-    return f"{what}: C kernels (engine/model/ops/cpu_gdn.c, cpu_attn.c, cpu_linear.c){gemm}"
+    return (f"{what}: C kernels (engine/model/ops/cpu_gdn.c, cpu_attn.c, cpu_linear.c) on {_threads} "
+            f"thread{'s' if _threads > 1 else ''}{gemm}")
 
 
 def usable(x: torch.Tensor, kc: int) -> bool:

@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_par.h"
 #include "cpu_vec.h"
 
 /* sum of a[j] * b[j], j < n: eight partial sums (lane l takes j = l mod 8 in order), then hsum8_'s fixed tree */
@@ -114,42 +115,60 @@ static inline void rms_rope_(const float *x, const float *w1, float eps, int64_t
     memcpy(y, tmp, sizeof(float) * (size_t)R);
 }
 
+typedef struct {
+    int64_t T, qkv_row, R, cache_slot, nh, nkv, hd;
+    const float *qkv, *qw1, *kw1, *cos, *sin;
+    float *kc, *vc, *out, eps, scale;
+    const int64_t *slots, *pos0;
+    _Atomic int err;
+} attn_job_;
+
+/* row i's T tokens, in order */
+static void attn_row_(void *arg, int64_t i) {
+    attn_job_ *J = arg;
+    const int64_t T = J->T, R = J->R, nh = J->nh, nkv = J->nkv, hd = J->hd, g = nh / nkv, kd = nkv * hd;
+    const float eps = J->eps, scale = J->scale;
+    float *p = malloc(sizeof(float) * (size_t)(J->pos0[i] + T + 2 * hd));
+    if (!p) {
+        J->err = 2;
+        return;
+    }
+    float *q = p + J->pos0[i] + T, *o = q + hd;
+    float *ks = J->kc + J->slots[i] * J->cache_slot, *vs = J->vc + J->slots[i] * J->cache_slot;
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t row = i * T + t, pos = J->pos0[i] + t;
+        const float *x = J->qkv + row * J->qkv_row, *c = J->cos + row * R, *s = J->sin + row * R;
+        for (int64_t h = 0; h < nkv; h++) {
+            rms_rope_(x + 2 * nh * hd + h * hd, J->kw1, eps, hd, c, s, R, ks + pos * kd + h * hd);
+            memcpy(vs + pos * kd + h * hd, x + 2 * nh * hd + kd + h * hd, sizeof(float) * (size_t)hd);
+        }
+        for (int64_t h = 0; h < nh; h++) {
+            const int64_t kh = h / g;
+            rms_rope_(x + h * 2 * hd, J->qw1, eps, hd, c, s, R, q);
+            attend_(q, ks + kh * hd, vs + kh * hd, kd, pos + 1, hd, scale, p, o);
+            const float *gate = x + h * 2 * hd + hd;
+            float *op = J->out + row * nh * hd + h * hd;
+            int64_t d = 0;  /* o * sigmoid(gate) */
+            for (; d + 8 <= hd; d += 8) st8_(op + d, ld8_(o + d) * (1.0f / (1.0f + exp8_(-ld8_(gate + d)))));
+            if (d < hd)
+                stn_(op + d, ldn_(o + d, hd - d, 0.0f) * (1.0f / (1.0f + exp8_(-ldn_(gate + d, hd - d, 0.0f)))),
+                     hd - d);
+        }
+    }
+    free(p);
+}
+
 int nextn_attn_step_f32(int64_t N, int64_t T, const float *qkv, int64_t qkv_row, const float *qw1,
                         const float *kw1, float eps, const float *cos, const float *sin, int64_t R, float *kc,
                         float *vc, int64_t cache_slot, const int64_t *slots, const int64_t *pos0, int64_t nh,
                         int64_t nkv, int64_t hd, float scale, float *out) {
     if (nkv < 1 || nh % nkv != 0 || R < 0 || R > hd || R % 2) return 1;
-    const int64_t g = nh / nkv, kd = nkv * hd;
     int64_t smax = 0;
     for (int64_t i = 0; i < N; i++) smax = pos0[i] + T > smax ? pos0[i] + T : smax;
-    float *p = malloc(sizeof(float) * (size_t)(smax + 2 * hd));
-    if (!p) return 2;
-    float *q = p + smax, *o = q + hd;
-    for (int64_t i = 0; i < N; i++) {
-        float *ks = kc + slots[i] * cache_slot, *vs = vc + slots[i] * cache_slot;
-        for (int64_t t = 0; t < T; t++) {
-            const int64_t row = i * T + t, pos = pos0[i] + t;
-            const float *x = qkv + row * qkv_row, *c = cos + row * R, *s = sin + row * R;
-            for (int64_t h = 0; h < nkv; h++) {
-                rms_rope_(x + 2 * nh * hd + h * hd, kw1, eps, hd, c, s, R, ks + pos * kd + h * hd);
-                memcpy(vs + pos * kd + h * hd, x + 2 * nh * hd + kd + h * hd, sizeof(float) * (size_t)hd);
-            }
-            for (int64_t h = 0; h < nh; h++) {
-                const int64_t kh = h / g;
-                rms_rope_(x + h * 2 * hd, qw1, eps, hd, c, s, R, q);
-                attend_(q, ks + kh * hd, vs + kh * hd, kd, pos + 1, hd, scale, p, o);
-                const float *gate = x + h * 2 * hd + hd;
-                float *op = out + row * nh * hd + h * hd;
-                int64_t d = 0;  /* o * sigmoid(gate) */
-                for (; d + 8 <= hd; d += 8) st8_(op + d, ld8_(o + d) * (1.0f / (1.0f + exp8_(-ld8_(gate + d)))));
-                if (d < hd)
-                    stn_(op + d, ldn_(o + d, hd - d, 0.0f) * (1.0f / (1.0f + exp8_(-ldn_(gate + d, hd - d, 0.0f)))),
-                         hd - d);
-            }
-        }
-    }
-    free(p);
-    return 0;
+    attn_job_ j = {T, qkv_row, R, cache_slot, nh, nkv, hd, qkv, qw1, kw1, cos, sin, kc, vc, out, eps, scale, slots,
+                   pos0, 0};
+    nextn_par_(attn_row_, &j, N, N * T * nh * hd * 2 * smax);  /* rows are independent (distinct pool slots) */
+    return j.err;
 }
 
 int nextn_rms_norm_f32(int64_t rows, int64_t H, const float *x, int64_t ldx, const float *w1, float eps,

@@ -23,6 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_par.h"
 #include "cpu_vec.h"
 
 #define MAX_KC 16
@@ -38,103 +39,121 @@ static void l2norm_(const float *x, float *y, int64_t n, float scale) {
     for (int64_t i = 0; i < n; i++) y[i] = (x[i] * r) * scale;
 }
 
+typedef struct {
+    int64_t N, T, proj_row, conv_slot, conv_win, rec_slot, rec_win, C, Kc, nk, dk, nv, dv;
+    const float *proj, *convw, *neg_a, *dt_bias, *norm_w;
+    float *conv, *rec, *out, norm_eps, qscale;
+    const int64_t *slots, *read, *write0;
+} gdn_job_;
+
+/* row i's T tokens, in order */
+static void gdn_row_(void *arg, int64_t i) {
+    const gdn_job_ *J = arg;
+    const int64_t T = J->T, proj_row = J->proj_row, conv_slot = J->conv_slot, conv_win = J->conv_win;
+    const int64_t rec_slot = J->rec_slot, rec_win = J->rec_win, C = J->C, Kc = J->Kc, nk = J->nk, dk = J->dk;
+    const int64_t nv = J->nv, dv = J->dv;
+    const float *proj = J->proj, *convw = J->convw, *neg_a = J->neg_a, *dt_bias = J->dt_bias, *norm_w = J->norm_w;
+    float *conv = J->conv, *rec = J->rec, *out = J->out;
+    const float norm_eps = J->norm_eps, qscale = J->qscale;
+    const int64_t *slots = J->slots, *read = J->read, *write0 = J->write0;
+    const int64_t Kd = nk * dk, r = nv / nk, S1 = Kc - 1, zoff = C, boff = C + nv * dv, aoff = boff + nv;
+    float y[C + 2 * Kd + 3 * dv];  /* scratch (a few KB for Qwen3.5 sizes) */
+    float *qn = y + C, *kn = qn + Kd, *u = kn + Kd, *o = u + dv, *delta = o + dv;
+    for (int64_t t = 0; t < T; t++) {
+        const float *xp = proj + (i * T + t) * proj_row;
+        const int64_t src_w = t == 0 ? read[i] : write0[i] + t - 1, dst_w = write0[i] + t;
+        const float *cs = conv + slots[i] * conv_slot + src_w * conv_win;
+        float *cd = conv + slots[i] * conv_slot + dst_w * conv_win;
+        if (Kc == 4) {  /* every Qwen3.5 config: the same products and sums as below, unrolled */
+            for (int64_t c = 0; c < C; c++) {
+                const float s0 = cs[c * 3], s1 = cs[c * 3 + 1], s2 = cs[c * 3 + 2], xc = xp[c];
+                const float *w = convw + c * 4;
+                y[c] = ((s0 * w[0] + s1 * w[1]) + s2 * w[2]) + xc * w[3];
+                cd[c * 3] = s1;
+                cd[c * 3 + 1] = s2;
+                cd[c * 3 + 2] = xc;
+            }
+        }
+        for (int64_t c = 0; Kc != 4 && c < C; c++) {
+            float win[MAX_KC];
+            memcpy(win, cs + c * S1, sizeof(float) * (size_t)S1);
+            win[S1] = xp[c];
+            const float *w = convw + c * Kc;
+            float acc = win[0] * w[0];
+            for (int64_t j = 1; j < Kc; j++) acc = acc + win[j] * w[j];
+            y[c] = acc;
+            memcpy(cd + c * S1, win + 1, sizeof(float) * (size_t)S1);
+        }
+        silu_n_(y, C);
+        for (int64_t h = 0; h < nk; h++) {
+            l2norm_(y + h * dk, qn + h * dk, dk, qscale);
+            l2norm_(y + Kd + h * dk, kn + h * dk, dk, 1.0f);
+        }
+        const float *rs = rec + slots[i] * rec_slot + src_w * rec_win;
+        float *rd = rec + slots[i] * rec_slot + dst_w * rec_win;
+        float *op = out + (i * T + t) * nv * dv;
+        for (int64_t h = 0; h < nv; h++) {
+            const float *q = qn + (h / r) * dk, *k = kn + (h / r) * dk, *v = y + 2 * Kd + h * dv;
+            const float beta = sigmoidf_(xp[boff + h]);
+            const float decay = expf(neg_a[h] * softplusf_(xp[aoff + h] + dt_bias[h]));
+            const float *s0 = rs + h * dk * dv;
+            float *s = rd + h * dk * dv;
+            int64_t j = 0;
+            for (; j + 8 <= dv; j += 8) {  /* eight columns at a time, each summed over a in order */
+                v8 uj = splat8_(0.0f);
+                for (int64_t a = 0; a < dk; a++) {
+                    const v8 sv = ld8_(s0 + a * dv + j) * decay;
+                    st8_(s + a * dv + j, sv);
+                    uj = uj + sv * k[a];
+                }
+                st8_(u + j, uj);
+            }
+            for (; j < dv; j++) {
+                u[j] = 0.0f;
+                for (int64_t a = 0; a < dk; a++) {
+                    const float sv = s0[a * dv + j] * decay;
+                    s[a * dv + j] = sv;
+                    u[j] = u[j] + sv * k[a];
+                }
+            }
+            for (j = 0; j < dv; j++) delta[j] = beta * (v[j] - u[j]);
+            for (j = 0; j + 8 <= dv; j += 8) {
+                const v8 dj = ld8_(delta + j);
+                v8 oj = splat8_(0.0f);
+                for (int64_t a = 0; a < dk; a++) {
+                    const v8 sv = ld8_(s + a * dv + j) + k[a] * dj;
+                    st8_(s + a * dv + j, sv);
+                    oj = oj + sv * q[a];
+                }
+                st8_(o + j, oj);
+            }
+            for (; j < dv; j++) {
+                o[j] = 0.0f;
+                for (int64_t a = 0; a < dk; a++) {
+                    const float sv = s[a * dv + j] + k[a] * delta[j];
+                    s[a * dv + j] = sv;
+                    o[j] = o[j] + sv * q[a];
+                }
+            }
+            float ss = 0.0f;
+            for (j = 0; j < dv; j++) ss += o[j] * o[j];
+            const float rn = 1.0f / sqrtf(ss / (float)dv + norm_eps);
+            const float *z = xp + zoff + h * dv;
+            for (j = 0; j < dv; j++) o[j] = norm_w[j] * (o[j] * rn);
+            for (j = 0; j + 8 <= dv; j += 8) st8_(op + h * dv + j, ld8_(o + j) * silu8_(ld8_(z + j)));
+            if (j < dv) stn_(op + h * dv + j, ldn_(o + j, dv - j, 0.0f) * silu8_(ldn_(z + j, dv - j, 0.0f)), dv - j);
+        }
+    }
+}
+
 int nextn_gdn_step_f32(int64_t N, int64_t T, const float *proj, int64_t proj_row, const float *convw,
                        float *conv, int64_t conv_slot, int64_t conv_win, float *rec, int64_t rec_slot,
                        int64_t rec_win, const int64_t *slots, const int64_t *read, const int64_t *write0,
                        const float *neg_a, const float *dt_bias, const float *norm_w, float norm_eps, float qscale,
                        int64_t C, int64_t Kc, int64_t nk, int64_t dk, int64_t nv, int64_t dv, float *out) {
     if (Kc < 2 || Kc > MAX_KC || nk < 1 || nv % nk != 0) return 1;
-    const int64_t Kd = nk * dk, r = nv / nk, S1 = Kc - 1, zoff = C, boff = C + nv * dv, aoff = boff + nv;
-    float *y = malloc(sizeof(float) * (size_t)(C + 2 * Kd + 3 * dv));
-    if (!y) return 2;
-    float *qn = y + C, *kn = qn + Kd, *u = kn + Kd, *o = u + dv, *delta = o + dv;
-    for (int64_t i = 0; i < N; i++) {
-        for (int64_t t = 0; t < T; t++) {
-            const float *xp = proj + (i * T + t) * proj_row;
-            const int64_t src_w = t == 0 ? read[i] : write0[i] + t - 1, dst_w = write0[i] + t;
-            const float *cs = conv + slots[i] * conv_slot + src_w * conv_win;
-            float *cd = conv + slots[i] * conv_slot + dst_w * conv_win;
-            if (Kc == 4) {  /* every Qwen3.5 config: the same products and sums as below, unrolled */
-                for (int64_t c = 0; c < C; c++) {
-                    const float s0 = cs[c * 3], s1 = cs[c * 3 + 1], s2 = cs[c * 3 + 2], xc = xp[c];
-                    const float *w = convw + c * 4;
-                    y[c] = ((s0 * w[0] + s1 * w[1]) + s2 * w[2]) + xc * w[3];
-                    cd[c * 3] = s1;
-                    cd[c * 3 + 1] = s2;
-                    cd[c * 3 + 2] = xc;
-                }
-            }
-            for (int64_t c = 0; Kc != 4 && c < C; c++) {
-                float win[MAX_KC];
-                memcpy(win, cs + c * S1, sizeof(float) * (size_t)S1);
-                win[S1] = xp[c];
-                const float *w = convw + c * Kc;
-                float acc = win[0] * w[0];
-                for (int64_t j = 1; j < Kc; j++) acc = acc + win[j] * w[j];
-                y[c] = acc;
-                memcpy(cd + c * S1, win + 1, sizeof(float) * (size_t)S1);
-            }
-            silu_n_(y, C);
-            for (int64_t h = 0; h < nk; h++) {
-                l2norm_(y + h * dk, qn + h * dk, dk, qscale);
-                l2norm_(y + Kd + h * dk, kn + h * dk, dk, 1.0f);
-            }
-            const float *rs = rec + slots[i] * rec_slot + src_w * rec_win;
-            float *rd = rec + slots[i] * rec_slot + dst_w * rec_win;
-            float *op = out + (i * T + t) * nv * dv;
-            for (int64_t h = 0; h < nv; h++) {
-                const float *q = qn + (h / r) * dk, *k = kn + (h / r) * dk, *v = y + 2 * Kd + h * dv;
-                const float beta = sigmoidf_(xp[boff + h]);
-                const float decay = expf(neg_a[h] * softplusf_(xp[aoff + h] + dt_bias[h]));
-                const float *s0 = rs + h * dk * dv;
-                float *s = rd + h * dk * dv;
-                int64_t j = 0;
-                for (; j + 8 <= dv; j += 8) {  /* eight columns at a time, each summed over a in order */
-                    v8 uj = splat8_(0.0f);
-                    for (int64_t a = 0; a < dk; a++) {
-                        const v8 sv = ld8_(s0 + a * dv + j) * decay;
-                        st8_(s + a * dv + j, sv);
-                        uj = uj + sv * k[a];
-                    }
-                    st8_(u + j, uj);
-                }
-                for (; j < dv; j++) {
-                    u[j] = 0.0f;
-                    for (int64_t a = 0; a < dk; a++) {
-                        const float sv = s0[a * dv + j] * decay;
-                        s[a * dv + j] = sv;
-                        u[j] = u[j] + sv * k[a];
-                    }
-                }
-                for (j = 0; j < dv; j++) delta[j] = beta * (v[j] - u[j]);
-                for (j = 0; j + 8 <= dv; j += 8) {
-                    const v8 dj = ld8_(delta + j);
-                    v8 oj = splat8_(0.0f);
-                    for (int64_t a = 0; a < dk; a++) {
-                        const v8 sv = ld8_(s + a * dv + j) + k[a] * dj;
-                        st8_(s + a * dv + j, sv);
-                        oj = oj + sv * q[a];
-                    }
-                    st8_(o + j, oj);
-                }
-                for (; j < dv; j++) {
-                    o[j] = 0.0f;
-                    for (int64_t a = 0; a < dk; a++) {
-                        const float sv = s[a * dv + j] + k[a] * delta[j];
-                        s[a * dv + j] = sv;
-                        o[j] = o[j] + sv * q[a];
-                    }
-                }
-                float ss = 0.0f;
-                for (j = 0; j < dv; j++) ss += o[j] * o[j];
-                const float rn = 1.0f / sqrtf(ss / (float)dv + norm_eps);
-                const float *z = xp + zoff + h * dv;
-                for (j = 0; j < dv; j++) o[j] = norm_w[j] * (o[j] * rn);
-                for (j = 0; j + 8 <= dv; j += 8) st8_(op + h * dv + j, ld8_(o + j) * silu8_(ld8_(z + j)));
-                if (j < dv) stn_(op + h * dv + j, ldn_(o + j, dv - j, 0.0f) * silu8_(ldn_(z + j, dv - j, 0.0f)), dv - j);
-            }
-        }
-    }
-    free(y);
+    gdn_job_ j = {N, T, proj_row, conv_slot, conv_win, rec_slot, rec_win, C, Kc, nk, dk, nv, dv, proj, convw, neg_a,
+                  dt_bias, norm_w, conv, rec, out, norm_eps, qscale, slots, read, write0};
+    nextn_par_(gdn_row_, &j, N, N * T * (nv * dk * dv * 3 + C * Kc));  /* rows are independent */
     return 0;
 }

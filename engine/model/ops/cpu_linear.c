@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <immintrin.h>
 
+#include "cpu_par.h"
 #include "cpu_vec.h"
 
 #define TGT __attribute__((target("avx2,fma")))
@@ -95,15 +96,37 @@ TGT static void row_(int64_t N, int64_t K, const float *x, const float *W, int64
     for (; n < N; n += 3) tile_(1, N - n < 3 ? N - n : 3, K, x, 0, W + n * ldw, ldw, y + n, 0);
 }
 
-TGT static void gemm_(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx, const float *W, float *y) {
+/* columns [n0, n1) of y [M, N] (rows N apart) */
+TGT static void gemm_cols_(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx, const float *W, float *y,
+                           int64_t n0, int64_t n1) {
     if (M == 1) {
-        row_(N, K, x, W, K, y);
+        row_(n1 - n0, K, x, W + n0 * K, K, y + n0);
         return;
     }
-    for (int64_t n = 0; n < N; n += 3)  /* a 3-row block of W stays in L1 while every row of x passes */
+    for (int64_t n = n0; n < n1; n += 3)  /* a 3-row block of W stays in L1 while every row of x passes */
         for (int64_t m = 0; m < M; m += 4)
-            tile_(M - m < 4 ? M - m : 4, N - n < 3 ? N - n : 3, K, x + m * ldx, ldx, W + n * K, K,
+            tile_(M - m < 4 ? M - m : 4, n1 - n < 3 ? n1 - n : 3, K, x + m * ldx, ldx, W + n * K, K,
                   y + m * N + n, N);
+}
+
+#define NB 24  /* columns per work item: a multiple of the tiles' 3 and the row's 8 */
+
+typedef struct {
+    int64_t M, N, K, ldx;
+    const float *x, *W;
+    float *y;
+} gemm_job_;
+
+static void gemm_item_(void *arg, int64_t b) {
+    const gemm_job_ *j = arg;
+    const int64_t n1 = (b + 1) * NB < j->N ? (b + 1) * NB : j->N;
+    gemm_cols_(j->M, j->N, j->K, j->x, j->ldx, j->W, j->y, b * NB, n1);
+}
+
+/* y = x W^T over both threads (cpu_par.c) when the job is large enough: column blocks, each computed as above */
+static void gemm_(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx, const float *W, float *y) {
+    gemm_job_ j = {M, N, K, ldx, x, W, y};
+    nextn_par_(gemm_item_, &j, (N + NB - 1) / NB, M * N * K);
 }
 
 /* y [M, N] = x [M, K] (rows ldx apart) @ W [N, K]^T (contiguous); K % 8 == 0 */
@@ -113,6 +136,25 @@ int nextn_linear_f32(int64_t M, int64_t N, int64_t K, const float *x, int64_t ld
     return 0;
 }
 
+typedef struct {
+    int64_t M, H, I, ldx;
+    const float *x, *Wgu;
+    float *gu;
+} gate_up_job_;
+
+/* gate and up columns [c0, c1) of every row, then silu(g) * u over them (in place over the gate half) */
+static void gate_up_item_(void *arg, int64_t b) {
+    const gate_up_job_ *j = arg;
+    const int64_t c0 = b * NB, c1 = (b + 1) * NB < j->I ? (b + 1) * NB : j->I;
+    gemm_cols_(j->M, 2 * j->I, j->H, j->x, j->ldx, j->Wgu, j->gu, c0, c1);
+    gemm_cols_(j->M, 2 * j->I, j->H, j->x, j->ldx, j->Wgu, j->gu, j->I + c0, j->I + c1);
+    for (int64_t m = 0; m < j->M; m++) {  /* row m is [2I] at gu + m * 2I; c0, c1 are multiples of 8 (I is) */
+        float *g = j->gu + m * 2 * j->I;
+        const float *u = g + j->I;
+        for (int64_t i = c0; i < c1; i += 8) st8_(g + i, silu8_(ld8_(g + i)) * ld8_(u + i));
+    }
+}
+
 /* SwiGLU: y [M, H] = (silu(g) * u) @ Wd^T with g | u = x @ Wgu^T (Wgu [2I, H]: gate rows then up rows, Wd [H, I]);
  * silu(g) * u = (g * (1 / (1 + e^-g))) * u with cpu_vec.h's exp. H % 8 == 0 and I % 8 == 0. */
 int nextn_mlp_f32(int64_t M, int64_t H, int64_t I, const float *x, int64_t ldx, const float *Wgu, const float *Wd,
@@ -120,12 +162,8 @@ int nextn_mlp_f32(int64_t M, int64_t H, int64_t I, const float *x, int64_t ldx, 
     if (H % 8 || I % 8 || !nextn_linear_ok()) return 1;
     float *gu = malloc(sizeof(float) * (size_t)(M * 2 * I));
     if (!gu) return 2;
-    gemm_(M, 2 * I, H, x, ldx, Wgu, gu);
-    for (int64_t m = 0; m < M; m++) {  /* the activation in place over the gate half: row m is [I] at gu + m * 2I */
-        float *g = gu + m * 2 * I;
-        const float *u = g + I;
-        for (int64_t i = 0; i < I; i += 8) st8_(g + i, silu8_(ld8_(g + i)) * ld8_(u + i));
-    }
+    gate_up_job_ j = {M, H, I, ldx, x, Wgu, gu};
+    nextn_par_(gate_up_item_, &j, (I + NB - 1) / NB, M * 2 * I * H);
     gemm_(M, H, I, gu, 2 * I, Wd, y);
     free(gu);
     return 0;

@@ -129,7 +129,63 @@ def test_non_recording_step_updates_the_live_slot_in_place(layer_and_cfg):
     y_t = _run(gdn, cfg, st_t, x, [1, 3], [2, 4], [2, 4], False, False)
     torch.testing.assert_close(y_k, y_t, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(st_k.rec, st_t.rec, rtol=1e-5, atol=1e-5)
-    assert_bitwise(st_k.conv, st_t.conv, "conv pool")
+    torch.testing.assert_close(st_k.conv, st_t.conv, rtol=1e-6, atol=1e-6)  # the projection: the C GEMM vs MKL
+
+
+def test_prefill_chunk_with_padding_matches_twin_and_is_chunking_invariant(layer_and_cfg):
+    """A batched prefill chunk (record=False, rows right-padded, `lens`): each row's real outputs and its final
+    state (in window slot write0, updated in place) match the torch path's chunked form; the padding leaves the
+    state alone and outputs zeros. And the kernel's state is the same bits whether a row's tokens come as one chunk,
+    two chunks or one token at a time (the recurrence runs token by token)."""
+    gdn, cfg, idx = layer_and_cfg
+    N, T, lens = 3, 9, [9, 4, 6]
+    slots, cur = [4, 1, 2], [2, 0, 5]
+    x = torch.randn(N, T, cfg.hidden_size, generator=torch.Generator().manual_seed(21))
+    out = {}
+    for kernel in (True, False):
+        st = _pool(cfg, idx, 6)
+        prev = cpu.set_enabled(kernel)
+        try:
+            ctx = FwdCtx.make(cfg, "cpu", torch.float32, slots, [0] * N, cur, cur, T, False, lens=lens)
+            with spy(cpu, "gdn_step") as calls, torch.inference_mode():
+                y = gdn(x, ctx, st)
+        finally:
+            cpu.set_enabled(prev)
+        assert len(calls) == (1 if kernel else 0)
+        out[kernel] = y, st
+    (y_k, st_k), (y_t, st_t) = out[True], out[False]
+    for i, n in enumerate(lens):
+        torch.testing.assert_close(y_k[i, :n], y_t[i, :n], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(st_k.rec[slots[i], cur[i]], st_t.rec[slots[i], cur[i]], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(st_k.conv[slots[i], cur[i]], st_t.conv[slots[i], cur[i]], rtol=1e-5, atol=1e-5)
+    ref = _pool(cfg, idx, 6)
+    mask = torch.ones(S, W, dtype=torch.bool)
+    mask[slots, cur] = False
+    assert_bitwise(st_k.rec[mask], ref.rec[mask], "window slots the prefill does not own")
+    # chunking: row 0's 9 tokens as 9, as 5 + 4 and one at a time, straight through the kernel
+    proj = torch.randn(1, T, gdn._w_in.shape[0], generator=torch.Generator().manual_seed(22))
+    states, outs = [], []
+    for cuts in ([0, 9], [0, 5, 9], list(range(10))):
+        st = _pool(cfg, idx, 7)
+        ys = [cpu.gdn_step(proj[:, a:b], gdn.conv1d.weight[:, 0, :], st.conv, st.rec, [1], [3], [3],
+                           *gdn._decay_consts(), gdn.norm.weight, gdn.norm.eps, gdn.nk, gdn.dk, gdn.nv, gdn.dv,
+                           record=False) for a, b in zip(cuts, cuts[1:])]
+        states.append((st.rec[1, 3].clone(), st.conv[1, 3].clone()))
+        outs.append(torch.cat(ys, dim=1))
+    for (rec, conv), y in zip(states[1:], outs[1:]):
+        assert_bitwise(rec, states[0][0], "final state: one chunk vs split")
+        assert_bitwise(conv, states[0][1], "conv window: one chunk vs split")
+        assert_bitwise(y, outs[0], "outputs: one chunk vs split")
+    padded = torch.cat([proj, torch.randn(1, 3, proj.shape[-1])], dim=1)  # 3 padding tokens
+    st = _pool(cfg, idx, 7)
+    y = cpu.gdn_step(padded, gdn.conv1d.weight[:, 0, :], st.conv, st.rec, [1], [3], [3], *gdn._decay_consts(),
+                     gdn.norm.weight, gdn.norm.eps, gdn.nk, gdn.dk, gdn.nv, gdn.dv, record=False, lens=[T])
+    assert_bitwise(st.rec[1, 3], states[0][0], "padding left the state alone")
+    assert_bitwise(y[:, :T], outs[0], "real tokens' outputs with padding after them")
+    assert not y[:, T:].any(), "padding outputs zeros"
+    with pytest.raises(ValueError):
+        cpu.gdn_step(padded, gdn.conv1d.weight[:, 0, :], st.conv, st.rec, [1], [3], [3], *gdn._decay_consts(),
+                     gdn.norm.weight, gdn.norm.eps, gdn.nk, gdn.dk, gdn.nv, gdn.dv, record=False, lens=[T + 4])
 
 
 def test_bad_pool_indices_raise_instead_of_writing_past_the_pool(layer_and_cfg):

@@ -86,15 +86,19 @@ def test_mlp_matches_torch_path_and_is_batch_invariant(M):
     assert cpu.mlp_or_none(x, mlp._w_gu[:-8], mlp.down_proj.weight) is None  # shapes that do not fit: not taken
 
 
-def test_model_linear_takes_the_gemm_in_step_forwards_only():
+def test_model_linear_takes_the_gemm_in_step_forwards_and_short_prefill_chunks():
     cfg = Qwen35Config.from_dict(hf_config(hidden_size=48, num_hidden_layers=1, layer_types=["full_attention"]))
     x, w = torch.randn(1, 2, 48), torch.randn(16, 48)
+    long_T = cpu.PREFILL_MAX_T + 1
+    xl = torch.randn(1, long_T, 48)
     step = FwdCtx.make(cfg, "cpu", torch.float32, [0], [0], [0], [0], 2, True)
     prefill = FwdCtx.make(cfg, "cpu", torch.float32, [0], [0], [0], [0], 2, False)
+    long_prefill = FwdCtx.make(cfg, "cpu", torch.float32, [0], [0], [0], [0], long_T, False)
     with torch.inference_mode():
-        assert_bitwise(linear(x, w, step), cpu.linear(x, w), "step forward: the C GEMM")
-        for ctx in (prefill, None):
-            assert_bitwise(linear(x, w, ctx), F.linear(x, w), "prefill / no cache: torch's GEMM")
+        for ctx in (step, prefill):
+            assert_bitwise(linear(x, w, ctx), cpu.linear(x, w), "step forward / short prefill: the C GEMM")
+        assert_bitwise(linear(xl, w, long_prefill), F.linear(xl, w), "long prefill: torch's GEMM")
+        assert_bitwise(linear(x, w, None), F.linear(x, w), "no cache: torch's GEMM")
         prev = cpu.set_enabled(False)
         try:
             assert_bitwise(linear(x, w, step), F.linear(x, w), "--no-cpu-kernel: torch's GEMM")

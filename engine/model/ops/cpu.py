@@ -10,10 +10,11 @@ the K/V writes, SDPA and its mask, the gate) and 7 per RMSNorm; each kernel does
 (bench/RESULTS.md). torch's GEMM (MKL) rounds a row differently with the row count; cpu_linear.c's does not.
 
 Contract: `attn_step` computes what GatedAttention's torch path computes over the KV pool for step forwards
-(decode, verify, MTP drafts; prefill chunks keep SDPA), and `rms_norm` what norm.rms_norm_ref computes, both for
-fp32. `gdn_step` computes what GatedDeltaNet's torch path computes for a recording forward (and a one-token
-non-recording one) over the pool, for fp32 models: row i reads window slot read[i] of pool slot slots[i], the state
-after token t goes to window slot write0[i] + t. It rounds differently from the torch twin (tests/test_ops_cpu.py
+(decode, verify, MTP drafts) and prefill chunks of up to PREFILL_MAX_T tokens per row (longer ones keep SDPA), and
+`rms_norm` what norm.rms_norm_ref computes, both for fp32. `gdn_step` computes what GatedDeltaNet's torch path
+computes over the pool for those forwards, for fp32 models: row i reads window slot read[i] of pool slot slots[i];
+in a recording forward the state after token t goes to window slot write0[i] + t, in a prefill chunk every token
+updates window slot write0[i] and `lens` marks the right padding. It rounds differently from the torch twin (tests/test_ops_cpu.py
 bounds the difference), but every (row, token) runs the same code in the same order, so a row's outputs are
 bitwise the same alone or in any batch and at any T: verify (T = K+1) and plain decode (T = 1) agree bitwise, which
 is what exactness needs. The same holds for `attn_step` (its sums run in fixed lanes and a fixed tree, whatever
@@ -69,6 +70,9 @@ _tried = False
 _enabled = True
 _why = ""  # why the kernel is unavailable (set by a failed build)
 _gemm = False  # the CPU has AVX2 and FMA: cpu_linear.c's GEMM runs (set by the build)
+#: Prefill chunks of up to this many tokens per row run the kernels too (their per-token recurrence and attention
+#: cost what the step's do; longer chunks keep torch's chunked GDN and SDPA, which scale better with T).
+PREFILL_MAX_T = 128
 _threads = 1  # threads the kernels may use (cpu_par.c: 1 or 2), applied to the library when it is built
 MAX_THREADS = 2  # cpu_par.c runs the calling thread and one helper
 
@@ -124,7 +128,7 @@ def _build() -> ctypes.CDLL | None:
     fn = lib.nextn_gdn_step_f32
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [i64, i64, ptr, i64, ptr, ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr,
-                   ctypes.c_float, ctypes.c_float, i64, i64, i64, i64, i64, i64, ptr]
+                   ctypes.c_float, ctypes.c_float, i64, i64, i64, i64, i64, i64, i64, ptr, ptr]
     fn.restype = ctypes.c_int
     fn = lib.nextn_attn_step_f32
     fn.argtypes = [i64, i64, ptr, i64, ptr, ptr, ctypes.c_float, ptr, ptr, i64, ptr, ptr, i64, ptr, ptr, i64, i64,
@@ -235,9 +239,12 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 def gdn_step(proj: torch.Tensor, conv_w: torch.Tensor, conv: torch.Tensor, rec: torch.Tensor, slots: list[int],
              read: list[int], write0: list[int], neg_a: torch.Tensor, dt_bias: torch.Tensor, norm_w: torch.Tensor,
-             norm_eps: float, nk: int, dk: int, nv: int, dv: int) -> torch.Tensor:
+             norm_eps: float, nk: int, dk: int, nv: int, dv: int, record: bool = True,
+             lens: list[int] | None = None) -> torch.Tensor:
     """The GDN token step of N rows x T tokens (see the module docstring), from the fused input projection's
-    output to the gated RMSNorm's output.
+    output to the gated RMSNorm's output. record: the state after token t goes to window slot write0[i] + t;
+    otherwise every token updates window slot write0[i] (a prefill chunk), and `lens` (each row's real tokens,
+    <= T; None: T) marks the right padding, which leaves the state alone and outputs zeros.
 
     proj [N, T, P] fp32 (qkv | z | b | a, last dim contiguous); conv_w [C, Kc]; conv [S, W, C, Kc-1] and
     rec [S, W, nv, dk, dv] fp32 pools (each slot contiguous); neg_a = -exp(A_log), dt_bias, [nv]; norm_w [dv].
@@ -259,16 +266,20 @@ def gdn_step(proj: torch.Tensor, conv_w: torch.Tensor, conv: torch.Tensor, rec: 
         raise ValueError("gdn_step: inconsistent shapes, dtypes or layouts (see its docstring)")
     if not len(slots) == len(read) == len(write0) == len(set(slots)) == N:
         raise ValueError("gdn_step: one distinct pool slot, read and write slot per row")
+    if lens is not None and not (len(lens) == N and all(0 <= n <= T for n in lens)):
+        raise ValueError("gdn_step: lens must give each row's real tokens, 0..T")
+    span = T if record else 1  # window slots written from write0
     for s_, r_, w_ in zip(slots, read, write0):
-        if not (0 <= s_ < S and 0 <= r_ < W and 0 <= w_ and w_ + T <= W):
-            raise IndexError(f"pool slot {s_} / window slots {r_}, {w_}..{w_ + T - 1} outside [{S}, {W}]")
+        if not (0 <= s_ < S and 0 <= r_ < W and 0 <= w_ and w_ + span <= W):
+            raise IndexError(f"pool slot {s_} / window slots {r_}, {w_}..{w_ + span - 1} outside [{S}, {W}]")
     proj, pitch = _rows(proj)
     out = torch.empty(N, T, nv * dv, dtype=f32)
     qscale = _qscale(dk)
     rc = lib.nextn_gdn_step_f32(N, T, proj.data_ptr(), pitch, conv_w.data_ptr(), conv.data_ptr(),
                                 conv.stride(0), conv.stride(1), rec.data_ptr(), rec.stride(0), rec.stride(1),
                                 _i64s(slots), _i64s(read), _i64s(write0), neg_a.data_ptr(), dt_bias.data_ptr(),
-                                norm_w.data_ptr(), norm_eps, qscale, C, kc, nk, dk, nv, dv, out.data_ptr())
+                                norm_w.data_ptr(), norm_eps, qscale, C, kc, nk, dk, nv, dv, int(record),
+                                None if lens is None else _i64s(lens), out.data_ptr())
     if rc:
         raise RuntimeError(f"CPU GDN kernel failed (code {rc})")
     return out

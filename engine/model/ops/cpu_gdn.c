@@ -10,8 +10,11 @@
  *   gates: beta = sigmoid(b), decay = exp(-exp(A_log) * softplus(a + dt_bias))
  *   rule:  S <- decay * S; u = S^T k; delta = beta * (v - u); S <- S + k delta^T; o = S^T q
  *   norm:  out = w * (o * rsqrt(mean(o^2) + eps)) * silu(z), per value head
- * Token 0 reads the state in window slot read[i] of pool slot slots[i]; the state after token t is written to
- * window slot write0[i] + t (it may be slot read[i]: every state element is read before it is written).
+ * Token 0 reads the state in window slot read[i] of pool slot slots[i]; with record, the state after token t is
+ * written to window slot write0[i] + t, else every token updates window slot write0[i] in place (a prefill chunk:
+ * only the final state is kept); either may be slot read[i]: every state element is read before it is written.
+ * lens (NULL: T for every row) names each row's real tokens: tokens t >= lens[i] are right padding, they leave the
+ * state alone and their outputs are zeros.
  *
  * silu is x / (1 + e^-x) with cpu_vec.h's exp; the state's columns run eight at a time (each still summed over the
  * key dimension in order). Every (row, token) runs the same code in the same order whatever N and T are, and no
@@ -40,10 +43,10 @@ static void l2norm_(const float *x, float *y, int64_t n, float scale) {
 }
 
 typedef struct {
-    int64_t N, T, proj_row, conv_slot, conv_win, rec_slot, rec_win, C, Kc, nk, dk, nv, dv;
+    int64_t N, T, proj_row, conv_slot, conv_win, rec_slot, rec_win, C, Kc, nk, dk, nv, dv, record;
     const float *proj, *convw, *neg_a, *dt_bias, *norm_w;
     float *conv, *rec, *out, norm_eps, qscale;
-    const int64_t *slots, *read, *write0;
+    const int64_t *slots, *read, *write0, *lens;
 } gdn_job_;
 
 /* row i's T tokens, in order */
@@ -56,12 +59,15 @@ static void gdn_row_(void *arg, int64_t i) {
     float *conv = J->conv, *rec = J->rec, *out = J->out;
     const float norm_eps = J->norm_eps, qscale = J->qscale;
     const int64_t *slots = J->slots, *read = J->read, *write0 = J->write0;
+    const int64_t len = J->lens ? J->lens[i] : T;
     const int64_t Kd = nk * dk, r = nv / nk, S1 = Kc - 1, zoff = C, boff = C + nv * dv, aoff = boff + nv;
     float y[C + 2 * Kd + 3 * dv];  /* scratch (a few KB for Qwen3.5 sizes) */
     float *qn = y + C, *kn = qn + Kd, *u = kn + Kd, *o = u + dv, *delta = o + dv;
-    for (int64_t t = 0; t < T; t++) {
+    if (len < T) memset(out + (i * T + len) * nv * dv, 0, sizeof(float) * (size_t)((T - len) * nv * dv));
+    for (int64_t t = 0; t < len; t++) {
         const float *xp = proj + (i * T + t) * proj_row;
-        const int64_t src_w = t == 0 ? read[i] : write0[i] + t - 1, dst_w = write0[i] + t;
+        const int64_t dst_w = J->record ? write0[i] + t : write0[i];
+        const int64_t src_w = t == 0 ? read[i] : J->record ? dst_w - 1 : dst_w;
         const float *cs = conv + slots[i] * conv_slot + src_w * conv_win;
         float *cd = conv + slots[i] * conv_slot + dst_w * conv_win;
         if (Kc == 4) {  /* every Qwen3.5 config: the same products and sums as below, unrolled */
@@ -150,10 +156,11 @@ int nextn_gdn_step_f32(int64_t N, int64_t T, const float *proj, int64_t proj_row
                        float *conv, int64_t conv_slot, int64_t conv_win, float *rec, int64_t rec_slot,
                        int64_t rec_win, const int64_t *slots, const int64_t *read, const int64_t *write0,
                        const float *neg_a, const float *dt_bias, const float *norm_w, float norm_eps, float qscale,
-                       int64_t C, int64_t Kc, int64_t nk, int64_t dk, int64_t nv, int64_t dv, float *out) {
+                       int64_t C, int64_t Kc, int64_t nk, int64_t dk, int64_t nv, int64_t dv, int64_t record,
+                       const int64_t *lens, float *out) {
     if (Kc < 2 || Kc > MAX_KC || nk < 1 || nv % nk != 0) return 1;
-    gdn_job_ j = {N, T, proj_row, conv_slot, conv_win, rec_slot, rec_win, C, Kc, nk, dk, nv, dv, proj, convw, neg_a,
-                  dt_bias, norm_w, conv, rec, out, norm_eps, qscale, slots, read, write0};
+    gdn_job_ j = {N, T, proj_row, conv_slot, conv_win, rec_slot, rec_win, C, Kc, nk, dk, nv, dv, record != 0, proj,
+                  convw, neg_a, dt_bias, norm_w, conv, rec, out, norm_eps, qscale, slots, read, write0, lens};
     nextn_par_(gdn_row_, &j, N, N * T * (nv * dk * dv * 3 + C * Kc));  /* rows are independent */
     return 0;
 }

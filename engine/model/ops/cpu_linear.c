@@ -103,10 +103,16 @@ TGT static void gemm_cols_(int64_t M, int64_t N, int64_t K, const float *x, int6
         row_(n1 - n0, K, x, W + n0 * K, K, y + n0);
         return;
     }
-    for (int64_t n = n0; n < n1; n += 3)  /* a 3-row block of W stays in L1 while every row of x passes */
-        for (int64_t m = 0; m < M; m += 4)
-            tile_(M - m < 4 ? M - m : 4, n1 - n < 3 ? n1 - n : 3, K, x + m * ldx, ldx, W + n * K, K,
-                  y + m * N + n, N);
+    /* blocks of x's rows small enough to stay in L1 (~16 KB) while the columns' W rows pass, 3 at a time, each
+     * staying in L1 while the block's rows do */
+    const int64_t mb = 16384 / (4 * K) >= 8 ? (16384 / (4 * K)) & ~(int64_t)3 : 4;
+    for (int64_t m0 = 0; m0 < M; m0 += mb) {
+        const int64_t m1 = m0 + mb < M ? m0 + mb : M;
+        for (int64_t n = n0; n < n1; n += 3)
+            for (int64_t m = m0; m < m1; m += 4)
+                tile_(m1 - m < 4 ? m1 - m : 4, n1 - n < 3 ? n1 - n : 3, K, x + m * ldx, ldx, W + n * K, K,
+                      y + m * N + n, N);
+    }
 }
 
 #define NB 24  /* columns per work item: a multiple of the tiles' 3 and the row's 8 */

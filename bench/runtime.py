@@ -8,9 +8,9 @@
      hidden 256, vocab 2048, no MTP);
   5. where a round's time goes (cProfile of the engine alone, K = 3, one session and a batch of 8).
 
-Server and engine both run with one torch thread (OMP_NUM_THREADS=1; the client gets the other core); with
---cpu-kernel-threads 2 the demo's servers and the engine alone give nextn's C kernels a helper thread (the
-transformers comparison keeps one thread on both sides). The
+Server and engine both run with one torch thread (OMP_NUM_THREADS=1; the client gets the other core) and, like
+`nextn serve`'s default, min(2, usable cores) threads for nextn's C kernels (--cpu-kernel-threads: the demo's
+servers and the engine alone; the transformers comparison keeps one thread on both sides). The
 measurements are interleaved: every server stays up for the whole run and each repetition takes every figure
 once, in turn, so load from other processes hits numerator and denominator alike; each figure is the best of the
 repetitions, and each ratio is given twice: the ratio of the bests, and the median (with the range) of the
@@ -44,6 +44,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from config.settings import usable_cores  # noqa: E402
 from engine.commands import DEFAULT_BENCH_PROMPTS  # noqa: E402
 from engine.loader import load_model  # noqa: E402
 from engine.model.ops import cpu  # noqa: E402
@@ -227,8 +228,9 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--no-cpu-kernel", action="store_true", help="torch ops for the GDN step (servers and engine)")
-    ap.add_argument("--cpu-kernel-threads", type=int, default=1, choices=[1, 2],
-                    help="the C kernels' threads in the demo's servers and the engine alone")
+    ap.add_argument("--cpu-kernel-threads", type=int, default=min(2, usable_cores()), choices=[1, 2],
+                    help="the C kernels' threads in the demo's servers and the engine alone (default: as nextn "
+                         "serve's, min(2, usable cores))")
     args = ap.parse_args()
     dev = args.device
     torch.set_num_threads(1)
@@ -269,8 +271,7 @@ def main() -> int:
             srv.close()
     load1 = os.getloadavg()
     f = {key: max(v) for key, v in runs.items()}
-    flag = (" --no-cpu-kernel" if args.no_cpu_kernel else "") + (
-        f" --cpu-kernel-threads {args.cpu_kernel_threads}" if args.cpu_kernel_threads != 1 else "")
+    flag = (" --no-cpu-kernel" if args.no_cpu_kernel else "") + f" --cpu-kernel-threads {args.cpu_kernel_threads}"
     out = [f"`.venv/bin/python bench/runtime.py --tokens {n} --repeat {rep} --device {dev}{flag}` (demo model, "
            f"greedy, ignore_eos, {n} tokens per client, interleaved, best of {rep}, one torch thread; "
            f"{cpu.describe(dev, demo.config.dtype) or 'GPU'}; load average {load0[0]:.2f} before, {load1[0]:.2f} "

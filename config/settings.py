@@ -92,7 +92,7 @@ class ServeSettings(BaseModel):
     cpu_kernel_threads: int | None = Field(
         None, ge=1, le=2, description="threads nextn's C kernels use on a cpu device: 1, or 2 (the calling thread "
                                       "and one helper share a GEMM's column blocks and a step's rows when a job is "
-                                      "large enough; the bits never depend on it) (default: min(2, cpu_threads))")
+                                      "large enough; the bits never depend on it) (default: min(2, usable cores))")
     cpu_kernel: bool = Field(
         True, description="on a cpu device with a float32 model, run the decode / verify / draft steps on nextn's "
                           "C kernels (GDN and attention token steps, RMSNorm; GEMMs and MLP with AVX2 + FMA), "
@@ -241,7 +241,8 @@ def resolve(settings: ServeSettings, *, cuda_available: bool, max_position_embed
     cores) minus one, at least 1: the HTTP event loop needs a core, and torch's default of every core makes a
     small model's steps wait on spinning OpenMP threads (bench/RESULTS.md: one client 259-287 tokens/s with 2
     threads vs 722 with 1 on a 2-core box); served_model_name -> MODEL_DIR's name; max_model_len ->
-    min(max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP); cpu_kernel_threads on cpu -> min(2, cpu_threads); K -> 0 when the checkpoint has no MTP
+    min(max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP); cpu_kernel_threads on cpu -> min(2, usable cores) (the helper thread works only inside large C kernel calls,
+    when torch's threads are idle; on a 2-core box it lifts 8 streams' throughput, bench/RESULTS.md); K -> 0 when the checkpoint has no MTP
     weights; engine_process -> False when the research door is armed. Returns the new settings and one
     (log level, message) note per automatic choice, for the caller to log once everything is valid. Raises
     `SettingsError` for ``--device cuda`` without CUDA or a max_model_len above max_position_embeddings.
@@ -269,8 +270,8 @@ def resolve(settings: ServeSettings, *, cuda_available: bool, max_position_embed
             n = usable_cores() if cores is None else cores
             choose("cpu_threads", max(1, n - 1), f"{n} usable core(s), one left to the HTTP event loop")
     if device == "cpu" and settings.cpu_kernel_threads is None:
-        t = update.get("cpu_threads", settings.cpu_threads)
-        choose("cpu_kernel_threads", min(2, t), f"cpu_threads {t}")
+        n = usable_cores() if cores is None else cores
+        choose("cpu_kernel_threads", min(2, n), f"{n} usable core(s)")
     if settings.served_model_name is None:
         choose("served_model_name", settings.model_dir.resolve().name, "model directory name")
     if settings.max_model_len is None:

@@ -87,12 +87,12 @@ def test_auto_values_are_resolved_with_notes(tmp_path):
     assert all(w in text for w in ("device auto -> cpu", "dtype auto -> float32", "served_model_name None -> ",
                                    "max_model_len None -> 4096", "num_speculative_tokens 3 -> 0",
                                    "cpu_threads None -> 3 (4 usable core(s)",
-                                   "cpu_kernel_threads None -> 2 (cpu_threads 3)"))
+                                   "cpu_kernel_threads None -> 2 (4 usable core(s))"))
     assert notes[-1][0] == logging.WARNING
     # threads: OMP_NUM_THREADS wins over the core count; one core still gets one thread; cuda leaves torch's
     for env, cores, want in (({"OMP_NUM_THREADS": "5"}, 4, 5), ({}, 1, 1), ({"OMP_NUM_THREADS": "x"}, 2, 1)):
         r = resolve(s, cuda_available=False, max_position_embeddings=4096, has_mtp=True, cores=cores, environ=env)[0]
-        assert r.cpu_threads == want and r.cpu_kernel_threads == min(2, want)
+        assert r.cpu_threads == want and r.cpu_kernel_threads == min(2, cores)
     r = resolve(s, cuda_available=True, max_position_embeddings=4096, has_mtp=True, cores=8, environ={})[0]
     assert r.cpu_threads is None and r.cpu_kernel_threads is None
     r, notes = resolve(ServeSettings(model_dir=tmp_path, device="cpu", dtype="bfloat16", served_model_name="x",

@@ -161,6 +161,14 @@ def _get() -> ctypes.CDLL | None:
     return _lib
 
 
+def _lib_or_raise() -> ctypes.CDLL:
+    """The built library for a kernel call that was asked for explicitly (RuntimeError when off or unavailable)."""
+    lib = _get()
+    if lib is None or not _enabled:
+        raise RuntimeError("CPU kernel unavailable")
+    return lib
+
+
 def available() -> bool:
     """Whether the kernel is enabled and built (builds it on the first call)."""
     return _enabled and _get() is not None
@@ -249,9 +257,7 @@ def gdn_step(proj: torch.Tensor, conv_w: torch.Tensor, conv: torch.Tensor, rec: 
     proj [N, T, P] fp32 (qkv | z | b | a, last dim contiguous); conv_w [C, Kc]; conv [S, W, C, Kc-1] and
     rec [S, W, nv, dk, dv] fp32 pools (each slot contiguous); neg_a = -exp(A_log), dt_bias, [nv]; norm_w [dv].
     Returns [N, T, nv * dv] fp32."""
-    lib = _get()
-    if lib is None or not _enabled:
-        raise RuntimeError("CPU kernel unavailable")
+    lib = _lib_or_raise()
     N, T, P = proj.shape
     C, kc = conv_w.shape
     S, W = conv.shape[:2]
@@ -296,9 +302,7 @@ def attn_step(qkv: torch.Tensor, q_w1: torch.Tensor, k_w1: torch.Tensor, eps: fl
 
     qkv [N, T, 2 nh hd + 2 nkv hd] fp32 (q|gate per head, then k, then v; last dim contiguous); k_cache, v_cache
     [S, L, nkv, hd] fp32 (each slot contiguous). Returns [N, T, nh * hd] fp32."""
-    lib = _get()
-    if lib is None or not _enabled:
-        raise RuntimeError("CPU kernel unavailable")
+    lib = _lib_or_raise()
     N, T, P = qkv.shape
     S, L = k_cache.shape[:2]
     R = cos.shape[-1]
@@ -336,9 +340,7 @@ def takes(x: torch.Tensor) -> bool:
 def rms_norm(x: torch.Tensor, w1: torch.Tensor, eps: float) -> torch.Tensor:
     """x * rsqrt(mean(x^2) + eps) * w1 over the last dim (cpu_attn.c): x [..., H] fp32 (any layout), w1 = 1 + the
     weight [H] fp32 contiguous. Returns a new contiguous tensor of x's shape."""
-    lib = _get()
-    if lib is None or not _enabled:
-        raise RuntimeError("CPU kernel unavailable")
+    lib = _lib_or_raise()
     H = x.shape[-1]
     if not (x.dtype == w1.dtype == torch.float32 and w1.shape == (H,) and w1.is_contiguous()):
         raise ValueError("rms_norm: x [..., H] and w1 [H] must be float32, w1 contiguous")

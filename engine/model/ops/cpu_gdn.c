@@ -161,6 +161,8 @@ int nextn_gdn_step_f32(int64_t N, int64_t T, const float *proj, int64_t proj_row
     if (Kc < 2 || Kc > MAX_KC || nk < 1 || nv % nk != 0) return 1;
     gdn_job_ j = {N, T, proj_row, conv_slot, conv_win, rec_slot, rec_win, C, Kc, nk, dk, nv, dv, record != 0, proj,
                   convw, neg_a, dt_bias, norm_w, conv, rec, out, norm_eps, qscale, slots, read, write0, lens};
-    nextn_par_(gdn_row_, &j, N, N * T * (nv * dk * dv * 3 + C * Kc));  /* rows are independent */
+    /* rows are independent; the work estimate counts the recurrence's serial latency (a token step costs about
+     * what 8x its multiply-adds cost in a GEMM) */
+    nextn_par_(gdn_row_, &j, N, N * T * (nv * dk * dv * 3 + C * Kc) * 8);
     return 0;
 }

@@ -22,7 +22,7 @@
 #define SPIN_NS 150000   /* how long an idle thread polls before it sleeps */
 #define MAX_ITEMS 0xffff  /* lo and hi are 16 bits each */
 
-int64_t nextn_par_min_work = 1 << 18;
+int64_t nextn_par_min_work = 1 << 19;
 _Atomic int64_t nextn_par_helper_items;  /* items the helper has computed (a diagnostic: tests read it) */
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;

@@ -13,6 +13,8 @@ typedef void (*nextn_par_fn)(void *arg, int64_t item);
  * otherwise this thread and the helper take items one at a time until none is left. */
 void nextn_par_(nextn_par_fn f, void *arg, int64_t n, int64_t work);
 
-extern int64_t nextn_par_min_work;  /* 2^18 (a few microseconds of GEMM): smaller jobs stay on one thread */
+/* 2^19 (~15 us of GEMM): smaller jobs stay on one thread, so a lone stream's step (M <= K+1 rows) wakes the
+ * helper for its LM head only, while a batch's GEMMs, GDN and attention rows split (bench/RESULTS.md) */
+extern int64_t nextn_par_min_work;
 
 #endif

@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from engine.loader import load_model  # noqa: E402
+from engine.model.ops import cpu  # noqa: E402
 from engine.model.qwen35 import FwdCtx  # noqa: E402
 from engine.scheduler import Scheduler  # noqa: E402
 from engine.spec import SpecSession, generate_spec  # noqa: E402
@@ -121,8 +122,11 @@ def main() -> int:
     ap.add_argument("--full", action="store_true", help="every module, not only the first ones that differ")
     ap.add_argument("--unfused", action="store_true",
                     help="run the separate projections (not the fused GEMMs) so each one is attributed on its own")
+    ap.add_argument("--cpu-kernel-threads", type=int, default=1, choices=[1, 2],
+                    help="threads of the C kernels (2: a batch's large jobs split, a lone row's do not)")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    cpu.set_threads(args.cpu_kernel_threads)
     model = load_model(args.model, dtype=args.dtype)
     if args.unfused:
         for m in model.modules():
@@ -131,7 +135,8 @@ def main() -> int:
                     setattr(m, attr, None)
     rows = measure(model, args.k)
     f = lambda d: "nan" if d != d else ("0 (bitwise)" if d == 0 else f"{d:.3g}")  # noqa: E731
-    print(f"model={Path(args.model).name} dtype={args.dtype} K={args.k} threads=1"
+    print(f"model={Path(args.model).name} dtype={args.dtype} K={args.k} torch threads 1, C kernel threads "
+          f"{cpu.threads()}"
           f"{' (unfused projections)' if args.unfused else ''}")
     for col, label in ((1, "batch of 4 vs alone"), (2, "T=1 steps vs T=K+1")):
         first = [r for r in rows[:-2] if r[col] > 0][:4]

@@ -186,6 +186,13 @@ def test_prefill_chunk_with_padding_matches_twin_and_is_chunking_invariant(layer
     with pytest.raises(ValueError):
         cpu.gdn_step(padded, gdn.conv1d.weight[:, 0, :], st.conv, st.rec, [1], [3], [3], *gdn._decay_consts(),
                      gdn.norm.weight, gdn.norm.eps, gdn.nk, gdn.dk, gdn.nv, gdn.dv, record=False, lens=[T + 4])
+    # a row with no real token (all padding) reading one window slot and writing another: the state moves as is
+    st = _pool(cfg, idx, 7)
+    y = cpu.gdn_step(padded, gdn.conv1d.weight[:, 0, :], st.conv, st.rec, [1], [3], [5], *gdn._decay_consts(),
+                     gdn.norm.weight, gdn.norm.eps, gdn.nk, gdn.dk, gdn.nv, gdn.dv, record=False, lens=[0])
+    assert_bitwise(st.rec[1, 5], st.rec[1, 3], "no token: the state copied to write0")
+    assert_bitwise(st.conv[1, 5], st.conv[1, 3], "no token: the conv window copied to write0")
+    assert not y.any()
 
 
 def test_bad_pool_indices_raise_instead_of_writing_past_the_pool(layer_and_cfg):

@@ -72,6 +72,26 @@ def test_gemm_and_mlp_on_two_threads_are_bitwise_one_thread(threads2):
     assert _helper_items() > before, "the helper never computed an item"
 
 
+@pytest.mark.skipif(not cpu._gemm, reason="a CPU without AVX2 + FMA: the torch GEMM runs")
+def test_the_helper_computes_under_the_callers_denormal_mode(threads2):
+    """Flush-to-zero / denormals-are-zero set on the calling thread (torch.set_flush_denormal) after the helper
+    started: the helper's column blocks flush exactly as the caller's do."""
+    x, w = torch.full((64, 256), 1e-20), torch.full((4096, 256), 1e-20)  # products 1e-40: denormal
+    cpu.linear(x, w)  # the helper exists, started under the default mode
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU has no flush-to-zero mode")
+    try:
+        for _ in range(20):
+            before = _helper_items()
+            y = cpu.linear(x, w)
+            assert not y.any(), "a thread computed denormals under the caller's flush-to-zero mode"
+            if _helper_items() > before:
+                break
+    finally:
+        torch.set_flush_denormal(False)
+    assert cpu.linear(x, w).all(), "without flush-to-zero the sums are denormal, not zero"
+
+
 def _greedy_rounds(model, prompts: list[list[int]], k: int) -> tuple[list[list[int]], list[torch.Tensor]]:
     from engine.scheduler import Scheduler
     from engine.spec import SpecSession

@@ -64,6 +64,12 @@ static void gdn_row_(void *arg, int64_t i) {
     float y[C + 2 * Kd + 3 * dv];  /* scratch (a few KB for Qwen3.5 sizes) */
     float *qn = y + C, *kn = qn + Kd, *u = kn + Kd, *o = u + dv, *delta = o + dv;
     if (len < T) memset(out + (i * T + len) * nv * dv, 0, sizeof(float) * (size_t)((T - len) * nv * dv));
+    if (len == 0 && !J->record && read[i] != write0[i]) {  /* no real token: the state moves to write0 unchanged */
+        memcpy(rec + slots[i] * rec_slot + write0[i] * rec_win, rec + slots[i] * rec_slot + read[i] * rec_win,
+               sizeof(float) * (size_t)(nv * dk * dv));
+        memcpy(conv + slots[i] * conv_slot + write0[i] * conv_win, conv + slots[i] * conv_slot + read[i] * conv_win,
+               sizeof(float) * (size_t)(C * (Kc - 1)));
+    }
     for (int64_t t = 0; t < len; t++) {
         const float *xp = proj + (i * T + t) * proj_row;
         const int64_t dst_w = J->record ? write0[i] + t : write0[i];

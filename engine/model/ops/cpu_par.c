@@ -9,6 +9,9 @@
  * count) is written and read under a mutex. Between jobs the helper spins for SPIN_NS (a step forward issues its
  * kernels tens of microseconds apart), then sleeps on a condition variable.
  *
+ * The helper computes each job under the caller's floating-point environment (MXCSR on x86: flush-to-zero and
+ * denormals-are-zero change results), so an item's bits never depend on the thread that took it.
+ *
  * `nextn_set_threads(1)` (the default) keeps every kernel on the calling thread. A second caller that finds the
  * helper in use runs its whole job itself. A child forked from a process with a helper starts without one
  * (pthread_atfork), so nothing ever waits on a thread that does not exist. */
@@ -16,6 +19,17 @@
 #include <stdatomic.h>
 #include <stdint.h>
 #include <time.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+typedef unsigned int fpenv_;  /* MXCSR: rounding, flush-to-zero, denormals-are-zero */
+static inline fpenv_ fpenv_get_(void) { return _mm_getcsr(); }
+static inline void fpenv_set_(fpenv_ e) { _mm_setcsr(e); }
+#else
+#include <fenv.h>
+typedef fenv_t fpenv_;
+static inline fpenv_ fpenv_get_(void) { fenv_t e; fegetenv(&e); return e; }
+static inline void fpenv_set_(fpenv_ e) { fesetenv(&e); }
+#endif
 
 #include "cpu_par.h"
 
@@ -30,11 +44,13 @@ static pthread_cond_t go_cv = PTHREAD_COND_INITIALIZER, done_cv = PTHREAD_COND_I
 static atomic_flag in_use = ATOMIC_FLAG_INIT;  /* one caller owns the helper for one job */
 static _Atomic uint64_t ticket;                /* (job id << 32) | (lo << 16) | hi: items [lo, hi) unclaimed */
 static _Atomic int64_t done;                   /* items of the current job finished */
-static int threads = 1, started = 0, helper_asleep = 0, caller_asleep = 0, atfork_set = 0;
+static _Atomic int threads = 1;
+static int started = 0, helper_asleep = 0, caller_asleep = 0, atfork_set = 0;
 static uint64_t last_id;                       /* the caller side's job counter */
 static nextn_par_fn job_f;                     /* the current job, under mu */
 static void *job_arg;
 static int64_t job_n;
+static fpenv_ job_fpenv;
 
 static int64_t now_ns_(void) {
     struct timespec t;
@@ -88,6 +104,7 @@ static void *helper_(void *unused) {
         const nextn_par_fn f = job_f;
         void *const arg = job_arg;
         const int64_t n = job_n;
+        fpenv_set_(job_fpenv);
         pthread_mutex_unlock(&mu);
         work_(seen, f, arg, n, 1);
     }
@@ -98,6 +115,9 @@ static void forked_child_(void) {  /* the helper did not survive fork(): start o
     pthread_mutex_init(&mu, 0);
     pthread_cond_init(&go_cv, 0);
     pthread_cond_init(&done_cv, 0);
+    /* a job another thread had in flight at the fork is not ours: no item of it may be claimed here */
+    atomic_store(&ticket, atomic_load(&ticket) & ~0xffffffffull);
+    atomic_store(&done, 0);
     atomic_flag_clear(&in_use);
     started = helper_asleep = caller_asleep = 0;
 }
@@ -136,6 +156,7 @@ void nextn_par_(nextn_par_fn f, void *arg, int64_t n, int64_t work) {
     job_f = f;
     job_arg = arg;
     job_n = n;
+    job_fpenv = fpenv_get_();
     atomic_store_explicit(&done, 0, memory_order_relaxed);
     atomic_store_explicit(&ticket, id << 32 | (uint64_t)n, memory_order_release);
     if (helper_asleep) pthread_cond_signal(&go_cv);

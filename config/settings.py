@@ -94,8 +94,9 @@ class ServeSettings(BaseModel):
                                       "and one helper share a GEMM's column blocks and a step's rows when a job is "
                                       "large enough; the bits never depend on it) (default: min(2, usable cores))")
     cpu_kernel: bool = Field(
-        True, description="on a cpu device with a float32 model, run the decode / verify / draft steps on nextn's "
-                          "C kernels (GDN and attention token steps, RMSNorm; GEMMs and MLP with AVX2 + FMA), "
+        True, description="on a cpu device with a float32 model, run the decode / verify / draft steps and short "
+                          "prefill chunks on nextn's C kernels (GDN and attention token steps, RMSNorm; GEMMs and "
+                          "MLP with AVX2 + FMA), "
                           "built with the system C compiler on first use (torch ops when there is none; "
                           "--no-cpu-kernel: always torch ops)")
     engine_process: bool = Field(

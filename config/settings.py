@@ -242,10 +242,11 @@ def resolve(settings: ServeSettings, *, cuda_available: bool, max_position_embed
     cores) minus one, at least 1: the HTTP event loop needs a core, and torch's default of every core makes a
     small model's steps wait on spinning OpenMP threads (bench/RESULTS.md: one client 259-287 tokens/s with 2
     threads vs 722 with 1 on a 2-core box); served_model_name -> MODEL_DIR's name; max_model_len ->
-    min(max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP); cpu_kernel_threads on cpu -> min(2, usable cores) (the helper thread works only inside large C kernel calls,
-    when torch's threads are idle; on a 2-core box it lifts 8 streams' throughput, bench/RESULTS.md); K -> 0 when the checkpoint has no MTP
-    weights; engine_process -> False when the research door is armed. Returns the new settings and one
-    (log level, message) note per automatic choice, for the caller to log once everything is valid. Raises
+    min(max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP); cpu_kernel_threads on cpu -> min(2, usable cores)
+    (the helper thread works only inside large C kernel calls, when torch's threads are idle; on a 2-core box it
+    lifts 8 streams' throughput, bench/RESULTS.md); K -> 0 when the checkpoint has no MTP weights; engine_process
+    -> False when the research door is armed. Returns the new settings and one (log level, message) note per
+    automatic choice, for the caller to log once everything is valid. Raises
     `SettingsError` for ``--device cuda`` without CUDA or a max_model_len above max_position_embeddings.
     """
     update: dict[str, Any] = {}
@@ -263,15 +264,14 @@ def resolve(settings: ServeSettings, *, cuda_available: bool, max_position_embed
         raise SettingsError("--device cuda was requested but CUDA is not available")
     if settings.dtype == "auto" and device == "cpu":
         choose("dtype", "float32", "cpu")
+    n = (usable_cores() if cores is None else cores) if device == "cpu" else 0
     if device == "cpu" and settings.cpu_threads is None:
         omp = (os.environ if environ is None else environ).get("OMP_NUM_THREADS", "").strip()
         if omp.isdigit() and int(omp) >= 1:
             choose("cpu_threads", int(omp), "OMP_NUM_THREADS")
         else:
-            n = usable_cores() if cores is None else cores
             choose("cpu_threads", max(1, n - 1), f"{n} usable core(s), one left to the HTTP event loop")
     if device == "cpu" and settings.cpu_kernel_threads is None:
-        n = usable_cores() if cores is None else cores
         choose("cpu_kernel_threads", min(2, n), f"{n} usable core(s)")
     if settings.served_model_name is None:
         choose("served_model_name", settings.model_dir.resolve().name, "model directory name")

@@ -129,12 +129,9 @@ def serve(args: argparse.Namespace) -> int:
         log.log(level, "%s", note)
     from engine.model.ops import cpu
 
-    if settings.device == "cpu" and settings.cpu_threads is not None:
-        torch.set_num_threads(settings.cpu_threads)
-    if settings.device == "cpu" and settings.cpu_kernel_threads is not None:
-        cpu.set_threads(settings.cpu_kernel_threads)
-
-    cpu.set_enabled(settings.cpu_kernel)
+    on_cpu = settings.device == "cpu"
+    cpu.configure(torch_threads=settings.cpu_threads if on_cpu else None,
+                  kernel_threads=settings.cpu_kernel_threads if on_cpu else None, enabled=settings.cpu_kernel)
     dtype = None if settings.dtype == "auto" else settings.dtype
     try:  # with an engine process, the model is loaded there (the same loader; its errors come back as one line)
         model = None if settings.engine_process else load_model(settings.model_dir, device=settings.device,
@@ -175,8 +172,8 @@ def build_server(settings: ServeSettings, model: Any, tokenizer: Any, **worker_k
 
         setup = EngineSetup(settings.model_dir, settings.device, None if settings.dtype == "auto" else settings.dtype,
                             settings.cpu_threads, settings.cpu_kernel, settings.cpu_kernel_threads, settings.log_level,
-                            k, settings.spec_draft_p_min, settings.spec_capmax, settings.max_num_seqs, settings.max_model_len,
-                            settings.max_num_batched_tokens, settings.grammar_max_bytes,
+                            k, settings.spec_draft_p_min, settings.spec_capmax, settings.max_num_seqs,
+                            settings.max_model_len, settings.max_num_batched_tokens, settings.grammar_max_bytes,
                             settings.grammar_compile_timeout, settings.grammar_cache_size, **worker_kw)
         worker = EngineProcess(setup, metrics, max_queue=settings.max_queue, max_num_seqs=settings.max_num_seqs)
         worker.start()  # the child loads the model and reserves its pool; raises when it cannot

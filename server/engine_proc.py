@@ -202,8 +202,6 @@ def _engine_main(setup: EngineSetup, cmds: Connection, out: Connection) -> None:
     logging.basicConfig(level=setup.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s")
 
-    import torch
-
     from engine.loader import CheckpointError, load_model
     from engine.model.config import ConfigError
     from engine.scheduler import PoolTooLarge
@@ -212,12 +210,9 @@ def _engine_main(setup: EngineSetup, cmds: Connection, out: Connection) -> None:
 
     from engine.model.ops import cpu
 
-    if setup.device == "cpu" and setup.cpu_threads is not None:
-        torch.set_num_threads(setup.cpu_threads)
-    if setup.device == "cpu" and setup.cpu_kernel_threads is not None:
-        cpu.set_threads(setup.cpu_kernel_threads)
-
-    cpu.set_enabled(setup.cpu_kernel)
+    on_cpu = setup.device == "cpu"
+    cpu.configure(torch_threads=setup.cpu_threads if on_cpu else None,
+                  kernel_threads=setup.cpu_kernel_threads if on_cpu else None, enabled=setup.cpu_kernel)
     try:
         model = load_model(setup.model_dir, device=setup.device, dtype=setup.dtype, progress=True)
     except (ConfigError, CheckpointError, ValueError, OSError) as e:  # as `nextn serve` words a failed load

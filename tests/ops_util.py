@@ -58,3 +58,18 @@ def spy(obj, name: str) -> Iterator[list[tuple[tuple, object]]]:
         yield calls
     finally:
         setattr(obj, name, real)
+
+
+@contextlib.contextmanager
+def cpu_kernel(name: str, on: bool) -> Iterator[None]:
+    """Inside (under inference mode): ops/cpu.py's C kernels on or off, and `cpu.<name>` must run exactly once when
+    on (the forward took the kernel) and never when off."""
+    from engine.model.ops import cpu
+
+    prev = cpu.set_enabled(on)
+    try:
+        with spy(cpu, name) as calls, torch.inference_mode():
+            yield
+    finally:
+        cpu.set_enabled(prev)
+    assert len(calls) == (1 if on else 0), "the kernel did not run" if on else "the kernel ran"

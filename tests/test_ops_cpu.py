@@ -8,7 +8,7 @@ from engine.loader import load_model
 from engine.cache import StatePool
 from engine.model.ops import cpu
 from engine.model.qwen35 import FwdCtx
-from tests.ops_util import assert_bitwise, spy
+from tests.ops_util import assert_bitwise, cpu_kernel
 from tests.tiny import make_checkpoint
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C compiler: the CPU kernel is not built")
@@ -46,16 +46,10 @@ def _pool(cfg, idx, seed):
 
 def _run(gdn, cfg, st, x, slots, read, write0, record, kernel):
     """The layer's forward over the pool, with the kernel on (it must run: counted) or off."""
-    prev = cpu.set_enabled(kernel)
-    try:
-        N, T, _ = x.shape
-        ctx = FwdCtx.make(cfg, "cpu", torch.float32, slots, [10] * N, read, write0, T, record)
-        with spy(cpu, "gdn_step") as calls, torch.inference_mode():
-            y = gdn(x, ctx, st)
-    finally:
-        cpu.set_enabled(prev)
-    assert len(calls) == (1 if kernel else 0), "the kernel did not run" if kernel else "the kernel ran"
-    return y
+    N, T, _ = x.shape
+    ctx = FwdCtx.make(cfg, "cpu", torch.float32, slots, [10] * N, read, write0, T, record)
+    with cpu_kernel("gdn_step", kernel):
+        return gdn(x, ctx, st)
 
 
 @pytest.mark.parametrize("N,T", [(1, 1), (1, 4), (3, 1), (3, 5)])
@@ -144,15 +138,9 @@ def test_prefill_chunk_with_padding_matches_twin_and_is_chunking_invariant(layer
     out = {}
     for kernel in (True, False):
         st = _pool(cfg, idx, 6)
-        prev = cpu.set_enabled(kernel)
-        try:
-            ctx = FwdCtx.make(cfg, "cpu", torch.float32, slots, [0] * N, cur, cur, T, False, lens=lens)
-            with spy(cpu, "gdn_step") as calls, torch.inference_mode():
-                y = gdn(x, ctx, st)
-        finally:
-            cpu.set_enabled(prev)
-        assert len(calls) == (1 if kernel else 0)
-        out[kernel] = y, st
+        ctx = FwdCtx.make(cfg, "cpu", torch.float32, slots, [0] * N, cur, cur, T, False, lens=lens)
+        with cpu_kernel("gdn_step", kernel):
+            out[kernel] = gdn(x, ctx, st), st
     (y_k, st_k), (y_t, st_t) = out[True], out[False]
     for i, n in enumerate(lens):
         torch.testing.assert_close(y_k[i, :n], y_t[i, :n], rtol=1e-4, atol=1e-4)

@@ -11,7 +11,7 @@ from engine.model.ops.norm import one_plus, rms_norm_ref
 from engine.model.qwen35 import FwdCtx, GatedAttention, Qwen35ForCausalLM
 from engine.model.config import Qwen35Config
 from engine.spec import generate_spec
-from tests.ops_util import assert_bitwise, spy
+from tests.ops_util import assert_bitwise, cpu_kernel, spy
 from tests.tiny import hf_config, make_checkpoint
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C compiler: the CPU kernel is not built")
@@ -49,16 +49,10 @@ def _pool(cfg, seed):
 
 def _run(att, cfg, kv, x, slots, pos0, kernel):
     """The layer's forward over the pool, with the kernel on (it must run: counted) or off."""
-    prev = cpu.set_enabled(kernel)
-    try:
-        N, T, _ = x.shape
-        ctx = FwdCtx.make(cfg, "cpu", torch.float32, slots, pos0, [0] * N, [0] * N, T, True)
-        with spy(cpu, "attn_step") as calls, torch.inference_mode():
-            y = att(x, ctx, kv)
-    finally:
-        cpu.set_enabled(prev)
-    assert len(calls) == (1 if kernel else 0), "the kernel did not run" if kernel else "the kernel ran"
-    return y
+    N, T, _ = x.shape
+    ctx = FwdCtx.make(cfg, "cpu", torch.float32, slots, pos0, [0] * N, [0] * N, T, True)
+    with cpu_kernel("attn_step", kernel):
+        return att(x, ctx, kv)
 
 
 # hd 16 (the vector path; RoPE on 4 dims), hd 12 (the scalar tails; RoPE on 6 dims)

@@ -62,6 +62,8 @@ def _cpu_flags() -> tuple[str, ...]:
     except OSError:
         pass
     return ()
+
+
 _MAX_KC = 16  # cpu_gdn.c's MAX_KC
 
 _lock = threading.Lock()
@@ -184,6 +186,17 @@ def set_threads(n: int) -> int:
     if _lib is not None:
         _lib.nextn_set_threads(_threads)
     return prev
+
+
+def configure(*, torch_threads: int | None, kernel_threads: int | None, enabled: bool) -> None:
+    """The serving process's CPU settings in one call (`nextn serve` and its engine process): torch's intra-op
+    threads (None: torch's default), the kernels' threads (`set_threads`; None: as they are) and whether the
+    kernels run at all (`set_enabled`)."""
+    if torch_threads is not None:
+        torch.set_num_threads(torch_threads)
+    if kernel_threads is not None:
+        set_threads(kernel_threads)
+    set_enabled(enabled)
 
 
 def threads() -> int:

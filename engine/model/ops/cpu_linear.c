@@ -117,6 +117,9 @@ TGT static void gemm_cols_(int64_t M, int64_t N, int64_t K, const float *x, int6
 
 #define NB 24  /* columns per work item: a multiple of the tiles' 3 and the row's 8 */
 
+/* the end of block b's columns [b * NB, ...) of n */
+static inline int64_t block_end_(int64_t b, int64_t n) { return (b + 1) * NB < n ? (b + 1) * NB : n; }
+
 typedef struct {
     int64_t M, N, K, ldx;
     const float *x, *W;
@@ -125,8 +128,7 @@ typedef struct {
 
 static void gemm_item_(void *arg, int64_t b) {
     const gemm_job_ *j = arg;
-    const int64_t n1 = (b + 1) * NB < j->N ? (b + 1) * NB : j->N;
-    gemm_cols_(j->M, j->N, j->K, j->x, j->ldx, j->W, j->y, b * NB, n1);
+    gemm_cols_(j->M, j->N, j->K, j->x, j->ldx, j->W, j->y, b * NB, block_end_(b, j->N));
 }
 
 /* y = x W^T over both threads (cpu_par.c) when the job is large enough: column blocks, each computed as above */
@@ -151,7 +153,7 @@ typedef struct {
 /* gate and up columns [c0, c1) of every row, then silu(g) * u over them (in place over the gate half) */
 static void gate_up_item_(void *arg, int64_t b) {
     const gate_up_job_ *j = arg;
-    const int64_t c0 = b * NB, c1 = (b + 1) * NB < j->I ? (b + 1) * NB : j->I;
+    const int64_t c0 = b * NB, c1 = block_end_(b, j->I);
     gemm_cols_(j->M, 2 * j->I, j->H, j->x, j->ldx, j->Wgu, j->gu, c0, c1);
     gemm_cols_(j->M, 2 * j->I, j->H, j->x, j->ldx, j->Wgu, j->gu, j->I + c0, j->I + c1);
     for (int64_t m = 0; m < j->M; m++) {  /* row m is [2I] at gu + m * 2I; c0, c1 are multiples of 8 (I is) */

@@ -222,6 +222,7 @@ class ServingMetrics:
 
         # Speculative decoding (vLLM SpecDecodingProm names and help texts, plus drafted-per-position).
         self._spec: dict[str, Any] | None = None
+        self._pos_children: dict[tuple[str, int], Any] = {}
         if self.num_spec_tokens > 0:
             drafts = counter("spec_decode_num_drafts", "Number of spec decoding drafts.")
             draft_tokens = counter("spec_decode_num_draft_tokens", "Number of draft tokens.")
@@ -238,9 +239,11 @@ class ServingMetrics:
                 "pos_accepted": acc_pos,
                 "pos_drafted": dr_pos,
             }
+            # each position's child looked up once (labels() per round per position cost the HTTP process
+            # ~0.1 ms a round); positions >= K get theirs when they first carry data
             for j in range(min(self.num_spec_tokens, SPEC_TELEM_POS)):
-                acc_pos.labels(*lv, str(j))
-                dr_pos.labels(*lv, str(j))
+                self._pos_child("pos_accepted", j)
+                self._pos_child("pos_drafted", j)
             aliased += [drafts, draft_tokens, accepted, acc_pos]
 
         prompt = counter("prompt_tokens", "Number of prefill tokens processed.")
@@ -301,7 +304,6 @@ class ServingMetrics:
                 log.warning("spec telemetry received with speculation off (num_spec_tokens=0); dropped")
             return
         s = self._spec
-        lv = (self.model_name, _ENGINE)
         with self._lock:
             if rounds:
                 s["rounds"].inc(rounds)
@@ -312,7 +314,15 @@ class ServingMetrics:
             for key, arr in (("pos_drafted", pos_drafted), ("pos_accepted", pos_accepted)):
                 for j, v in enumerate(arr[:SPEC_TELEM_POS]):
                     if v:
-                        s[key].labels(*lv, str(j)).inc(v)
+                        self._pos_child(key, j).inc(v)
+
+    def _pos_child(self, key: str, j: int) -> Any:
+        """The per-position counter `key` ("pos_drafted" / "pos_accepted") at position j (created on first use)."""
+        child = self._pos_children.get((key, j))
+        if child is None:
+            assert self._spec is not None
+            child = self._pos_children[key, j] = self._spec[key].labels(self.model_name, _ENGINE, str(j))
+        return child
 
     # -- tokens, queue, outcomes ----------------------------------------------------------------------
 

@@ -106,8 +106,9 @@ def hidden256_checkpoint(path: Path) -> Path:
 class _Conn:
     """The load generator's HTTP/1.1 keep-alive connection, reading a streamed completion with asyncio streams
     alone. On this box the clients share the two vCPUs with the server, so what the client spends per chunk is
-    taken from the server's second vCPU (the C kernels' helper thread runs there): httpx spent ~86 ms of CPU per run
-    of 8 streams of 128 tokens (h11, anyio, async generators per chunk), ~25% of that vCPU (bench/RESULTS.md)."""
+    taken from the server's second vCPU (the C kernels' helper thread runs there): httpx spent ~80 ms of CPU per run
+    of 8 streams of 128 tokens (h11, anyio, async generators per chunk), ~25% of that vCPU; `_Conn` spends ~20 ms
+    (bench/RESULTS.md)."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str) -> None:
         self.reader, self.writer, self.host = reader, writer, host

@@ -35,6 +35,35 @@ def test_linear_matches_fp64_and_every_row_is_batch_invariant(M, N, K):
         assert_bitwise(cpu.linear(x[:i + 1], w)[i], y[i], f"row {i} in {i + 1} rows vs in {M}")
 
 
+@pytest.fixture
+def wide_tiles():
+    """The GEMM's 16-lane tiles on (skip on a CPU without AVX-512); the setting is restored after the test."""
+    if not cpu.set_wide(True):
+        pytest.skip("this CPU has no AVX-512: the 8-lane tiles are the only ones")
+    yield
+    cpu.set_wide(True)
+
+
+@pytest.mark.parametrize("N,K", [(8, 8), (3, 16), (4, 24), (13, 40), (768, 128), (128, 384), (50, 256)])
+def test_wide_tiles_give_the_8_lane_tiles_bits(wide_tiles, N, K):
+    g = torch.Generator().manual_seed(N + K)
+    w = torch.randn(N, K, generator=g)
+    for M in (2, 3, 4, 5, 6, 7, 8, 9, 15, 16, 17, 32, 33, 70):  # every pair count, odd rows, L1 blocks of 8+ rows
+        x = torch.randn(M, 2 * K, generator=g)[:, :K]  # rows 2K apart: the packing reads a pitch
+        assert cpu.set_wide(True)
+        y16 = cpu.linear(x, w)
+        cpu.set_wide(False)
+        y8 = cpu.linear(x, w)
+        torch.testing.assert_close(y16, _ref(x, w), rtol=1e-5, atol=1e-5 * K ** 0.5)
+        assert_bitwise(y16, y8, f"16-lane vs 8-lane tiles, M={M} N={N} K={K}")
+    wgu, wd = torch.randn(2 * K, K, generator=g), torch.randn(K, K, generator=g)
+    x = torch.randn(9, K, generator=g)
+    assert cpu.set_wide(True)
+    m16 = cpu.mlp_or_none(x, wgu, wd)
+    cpu.set_wide(False)
+    assert_bitwise(m16, cpu.mlp_or_none(x, wgu, wd), f"mlp, 16-lane vs 8-lane tiles, H=I={K}")
+
+
 def test_linear_on_views_and_leading_dims():
     g = torch.Generator().manual_seed(5)
     wide = torch.randn(2, 3, 64, generator=g)

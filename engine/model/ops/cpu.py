@@ -1,7 +1,7 @@
 """The CPU kernels, in C, built with the system C compiler on first use and called through ctypes: the Gated
 DeltaNet token step (cpu_gdn.c), the gated attention token step and the zero-centred RMSNorm (cpu_attn.c), the
-small-M GEMM and the SwiGLU MLP built on it (cpu_linear.c, AVX2 + FMA); cpu_vec.h holds the vector type and the
-exp they share.
+small-M GEMM and the SwiGLU MLP built on it (cpu_linear.c, AVX2 + FMA; its tiles of two or more rows run 16 lanes
+wide on a CPU with AVX-512, with the same bits); cpu_vec.h holds the vector type and the exp they share.
 
 Why: on a CPU a small model's decode step is bound by op dispatch, not arithmetic. The torch path spends ~60 aten
 calls per GDN layer per token between the input projection and the output projection (conv, l2norm, gates,
@@ -14,13 +14,14 @@ Contract: `attn_step` computes what GatedAttention's torch path computes over th
 `rms_norm` what norm.rms_norm_ref computes, both for fp32. `gdn_step` computes what GatedDeltaNet's torch path
 computes over the pool for those forwards, for fp32 models: row i reads window slot read[i] of pool slot slots[i];
 in a recording forward the state after token t goes to window slot write0[i] + t, in a prefill chunk every token
-updates window slot write0[i] and `lens` marks the right padding. It rounds differently from the torch twin (tests/test_ops_cpu.py
-bounds the difference), but every (row, token) runs the same code in the same order, so a row's outputs are
-bitwise the same alone or in any batch and at any T: verify (T = K+1) and plain decode (T = 1) agree bitwise, which
-is what exactness needs. The same holds for `attn_step` (its sums run in fixed lanes and a fixed tree, whatever
-the batch, T or the row's neighbours), `rms_norm` (row by row) and `linear_or_none` / `mlp_or_none` (each output
-element is one fixed sequence of FMAs and a fixed tree, whatever tile computes it): with all of them a dense
-model's step forward is bitwise invariant to the batch and to T (bench/batch_invariance.py).
+updates window slot write0[i] and `lens` marks the right padding. It rounds differently from the torch twin
+(tests/test_ops_cpu.py bounds the difference), but every (row, token) runs the same code in the same order, so a
+row's outputs are bitwise the same alone or in any batch and at any T: verify (T = K+1) and plain decode (T = 1)
+agree bitwise, which is what exactness needs. The same holds for `attn_step` (its sums run in fixed lanes and a
+fixed tree, whatever the batch, T or the row's neighbours), `rms_norm` (row by row) and `linear_or_none` /
+`mlp_or_none` (each output element is one fixed sequence of FMAs and a fixed tree, whatever tile computes it, 8 or
+16 lanes wide): with all of them a dense model's step forward is bitwise invariant to the batch and to T
+(bench/batch_invariance.py).
 
 The build: `cc -O3 -ffp-contract=off -shared -fPIC` (and -mavx2 on a CPU that has it: the same IEEE operations,
 eight lanes at a time), cached by the sources' and flags' hash under
@@ -76,6 +77,7 @@ _gemm = False  # the CPU has AVX2 and FMA: cpu_linear.c's GEMM runs (set by the 
 #: cost what the step's do; longer chunks keep torch's chunked GDN and SDPA, which scale better with T).
 PREFILL_MAX_T = 128
 _threads = 1  # threads the kernels may use (cpu_par.c: 1 or 2), applied to the library when it is built
+_wide = True  # the GEMM's 16-lane tiles where the CPU has AVX-512 (set_wide), applied when it is built
 MAX_THREADS = 2  # cpu_par.c runs the calling thread and one helper
 
 
@@ -148,6 +150,8 @@ def _build() -> ctypes.CDLL | None:
     fn.restype = ctypes.c_int
     lib.nextn_set_threads.argtypes, lib.nextn_set_threads.restype = [ctypes.c_int], ctypes.c_int
     lib.nextn_set_threads(_threads)
+    lib.nextn_linear_set_wide.argtypes, lib.nextn_linear_set_wide.restype = [ctypes.c_int], ctypes.c_int
+    lib.nextn_linear_set_wide(int(_wide))
     log.info("CPU kernel ready: %s", so)
     return lib
 
@@ -188,6 +192,16 @@ def set_threads(n: int) -> int:
     return prev
 
 
+def set_wide(on: bool) -> bool:
+    """Whether the GEMM may use its 16-lane (AVX-512) tiles on a CPU that has them (default on). They give the same
+    bits as the 8-lane tiles (cpu_linear.c), so this only changes the speed: the A/B benchmark and the test that
+    compares the two bitwise turn them off. Returns whether they are used now (False on a CPU without AVX-512)."""
+    global _wide
+    _wide = bool(on)
+    lib = _get()
+    return bool(lib.nextn_linear_set_wide(int(_wide))) if lib is not None else False
+
+
 def configure(*, torch_threads: int | None, kernel_threads: int | None, enabled: bool) -> None:
     """The serving process's CPU settings in one call (`nextn serve` and its engine process): torch's intra-op
     threads (None: torch's default), the kernels' threads (`set_threads`; None: as they are) and whether the
@@ -224,7 +238,8 @@ def describe(device: torch.device | str, dtype: torch.dtype) -> str | None:
         return f"{what}: torch ops (--no-cpu-kernel)"
     if _get() is None:
         return f"{what}: torch ops (C kernels unavailable: {_why})"
-    gemm = "" if _gemm else "; GEMMs: torch (this CPU lacks AVX2 + FMA)"
+    gemm = "; GEMMs: torch (this CPU lacks AVX2 + FMA)" if not _gemm else \
+        "; GEMM tiles: 16 lanes (AVX-512)" if _lib.nextn_linear_set_wide(int(_wide)) else ""  # type: ignore
     return (f"{what}: C kernels (engine/model/ops/cpu_gdn.c, cpu_attn.c, cpu_linear.c) on {_threads} "
             f"thread{'s' if _threads > 1 else ''}{gemm}")
 

@@ -8,6 +8,12 @@
  * choose which elements are computed together, never the order of a sum, so a row's bits do not depend on how many
  * rows the launch has: verify (K+1 rows per session), plain decode (1) and any batch agree bitwise.
  *
+ * On a CPU with AVX-512 the tiles of two or more rows run on 16-lane registers (tile16_): rows are packed in pairs
+ * so that one register holds row 2p's eight lanes and row 2p+1's side by side, against a W chunk broadcast to both
+ * halves. Each half is exactly the eight-lane accumulation above (the same fused multiply-adds, the same chunk
+ * order, the same final tree), so the 16-lane tiles give the same bits as the 8-lane ones, at twice the
+ * multiply-adds per instruction (tests/test_ops_cpu_linear.py compares the two bitwise).
+ *
  * The code needs AVX2 and FMA (nextn_linear_ok() says whether this CPU has them; K must be a multiple of 8):
  * otherwise the caller keeps torch's GEMM.
  */
@@ -20,10 +26,21 @@
 #include "cpu_vec.h"
 
 #define TGT __attribute__((target("avx2,fma")))
+#define TGT16 __attribute__((target("avx512f,avx2,fma")))
 
 int nextn_linear_ok(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+static int wide_ = 0;  /* the 16-lane tiles run (nextn_linear_set_wide) */
+
+/* Use the 16-lane tiles when `on` and this CPU has AVX-512F (and AVX2 + FMA); returns whether they are now used.
+ * Either way every output has the same bits: only the speed changes. */
+int nextn_linear_set_wide(int on) {
+    __builtin_cpu_init();
+    wide_ = on && nextn_linear_ok() && __builtin_cpu_supports("avx512f");
+    return wide_;
 }
 
 TGT static inline float hsum256_(__m256 a) {
@@ -73,6 +90,97 @@ TGT static void tile_(int64_t MR, int64_t NR, int64_t K, const float *x, int64_t
         for (int64_t j = 0; j < NR; j++) y[i * ldy + j] = hsum256_(acc[i][j]);
 }
 
+/* the low and high eight lanes of a 16-lane accumulator: rows 2p and 2p + 1 of a pair */
+TGT16 static inline __m256 lo8_(__m512 a) { return _mm512_castps512_ps256(a); }
+TGT16 static inline __m256 hi8_(__m512 a) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)); }
+
+/* W's eight floats at p in both halves */
+TGT16 static inline __m512 bcast8_(const float *p) {
+    return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(p))));
+}
+
+/* x's 16 floats at p in a register: the compiler would otherwise fold the load into each of the three FMAs that use
+ * it, and the loads, not the FMAs, would bound the loop (two 64-byte loads a cycle) */
+TGT16 static inline __m512 ldx16_(const float *p) {
+    __m512 v = _mm512_loadu_ps(p);
+    __asm__("" : "+v"(v));
+    return v;
+}
+
+/* y[i, j] (i < 2P, j < 3) from P <= 4 row pairs of xp (pack_pairs_ layout, pairs 2K floats apart) and three W rows
+ * ldw apart; y rows ldy apart; row 2P - 1 is skipped when `odd`. Per output: tile_'s sum, in one half of a 16-lane
+ * register. Inlined with P constant, so the accumulators live in registers. */
+TGT16 static inline __attribute__((always_inline)) void tile16_p_(const int P, int odd, int64_t K, const float *xp,
+                                                                  const float *W, int64_t ldw, float *y,
+                                                                  int64_t ldy) {
+    __m512 acc[4][3];
+    for (int p = 0; p < P; p++)
+        for (int j = 0; j < 3; j++) acc[p][j] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8) {
+        const __m512 b0 = bcast8_(W + k), b1 = bcast8_(W + ldw + k), b2 = bcast8_(W + 2 * ldw + k);
+        for (int p = 0; p < P; p++) {
+            const __m512 v = ldx16_(xp + p * 2 * K + 2 * k);
+            acc[p][0] = _mm512_fmadd_ps(v, b0, acc[p][0]);
+            acc[p][1] = _mm512_fmadd_ps(v, b1, acc[p][1]);
+            acc[p][2] = _mm512_fmadd_ps(v, b2, acc[p][2]);
+        }
+    }
+    for (int p = 0; p < P; p++)
+        for (int j = 0; j < 3; j++) {
+            y[2 * p * ldy + j] = hsum256_(lo8_(acc[p][j]));
+            if (p < P - 1 || !odd) y[(2 * p + 1) * ldy + j] = hsum256_(hi8_(acc[p][j]));
+        }
+}
+
+/* y[i, j] (i < MR <= 8, j < NR <= 3) from xp's (MR + 1) / 2 row pairs and W rows ldw apart, y rows ldy apart */
+TGT16 static void tile16_(int64_t MR, int64_t NR, int64_t K, const float *xp, const float *W, int64_t ldw,
+                          float *y, int64_t ldy) {
+    const int64_t P = (MR + 1) / 2;
+    const int odd = (int)(MR & 1);
+    if (NR == 3) {
+        switch (P) {
+            case 4: tile16_p_(4, odd, K, xp, W, ldw, y, ldy); return;
+            case 3: tile16_p_(3, odd, K, xp, W, ldw, y, ldy); return;
+            case 2: tile16_p_(2, odd, K, xp, W, ldw, y, ldy); return;
+            default: tile16_p_(1, odd, K, xp, W, ldw, y, ldy); return;
+        }
+    }
+    __m512 acc[4][3];  /* the last columns of N (NR < 3) */
+    for (int i = 0; i < 4; i++)
+        for (int j = 0; j < 3; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8) {
+        __m512 b[3];
+        for (int64_t j = 0; j < NR; j++) b[j] = bcast8_(W + j * ldw + k);
+        for (int64_t p = 0; p < P; p++) {
+            const __m512 v = _mm512_loadu_ps(xp + p * 2 * K + 2 * k);
+            for (int64_t j = 0; j < NR; j++) acc[p][j] = _mm512_fmadd_ps(v, b[j], acc[p][j]);
+        }
+    }
+    for (int64_t p = 0; p < P; p++)
+        for (int64_t j = 0; j < NR; j++) {
+            y[2 * p * ldy + j] = hsum256_(lo8_(acc[p][j]));
+            if (2 * p + 1 < MR) y[(2 * p + 1) * ldy + j] = hsum256_(hi8_(acc[p][j]));
+        }
+}
+
+/* x [M, K] (rows ldx apart) in row pairs for tile16_: pair p is 2K floats, chunk c of it x[2p][8c .. 8c+8] then
+ * x[2p+1][8c .. 8c+8] (zeros for an odd M's missing row). NULL when out of memory. */
+static float *pack_pairs_(int64_t M, int64_t K, const float *x, int64_t ldx) {
+    const int64_t P = (M + 1) / 2;
+    float *xp = aligned_alloc(64, sizeof(float) * (size_t)(P * 2 * K));  /* K % 8 == 0: a multiple of 64 bytes */
+    if (!xp) return NULL;
+    for (int64_t p = 0; p < P; p++) {
+        const float *r0 = x + 2 * p * ldx, *r1 = r0 + ldx;
+        float *d = xp + p * 2 * K;
+        for (int64_t k = 0; k < K; k += 8, d += 16) {
+            memcpy(d, r0 + k, 8 * sizeof(float));
+            if (2 * p + 1 < M) memcpy(d + 8, r1 + k, 8 * sizeof(float));
+            else memset(d + 8, 0, 8 * sizeof(float));
+        }
+    }
+    return xp;
+}
+
 /* one row: eight W rows at a time */
 TGT static void row_(int64_t N, int64_t K, const float *x, const float *W, int64_t ldw, float *y) {
     int64_t n = 0;
@@ -96,11 +204,22 @@ TGT static void row_(int64_t N, int64_t K, const float *x, const float *W, int64
     for (; n < N; n += 3) tile_(1, N - n < 3 ? N - n : 3, K, x, 0, W + n * ldw, ldw, y + n, 0);
 }
 
-/* columns [n0, n1) of y [M, N] (rows N apart) */
-TGT static void gemm_cols_(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx, const float *W, float *y,
-                           int64_t n0, int64_t n1) {
+/* columns [n0, n1) of y [M, N] (rows N apart); xp: x packed by pack_pairs_ (16-lane tiles) or NULL (8-lane) */
+TGT static void gemm_cols_(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx, const float *xp,
+                           const float *W, float *y, int64_t n0, int64_t n1) {
     if (M == 1) {
         row_(n1 - n0, K, x, W + n0 * K, K, y + n0);
+        return;
+    }
+    if (xp) {  /* as below, in tiles of 8 rows (4 pairs) x 3 columns; blocks of a multiple of 8 rows */
+        const int64_t mb = (16384 / (4 * K)) & ~(int64_t)7 ? (16384 / (4 * K)) & ~(int64_t)7 : 8;
+        for (int64_t m0 = 0; m0 < M; m0 += mb) {
+            const int64_t m1 = m0 + mb < M ? m0 + mb : M;
+            for (int64_t n = n0; n < n1; n += 3)
+                for (int64_t m = m0; m < m1; m += 8)
+                    tile16_(m1 - m < 8 ? m1 - m : 8, n1 - n < 3 ? n1 - n : 3, K, xp + m * K, W + n * K, K,
+                            y + m * N + n, N);
+        }
         return;
     }
     /* blocks of x's rows small enough to stay in L1 (~16 KB) while the columns' W rows pass, 3 at a time, each
@@ -122,31 +241,42 @@ static inline int64_t block_end_(int64_t b, int64_t n) { return (b + 1) * NB < n
 
 typedef struct {
     int64_t M, N, K, ldx;
-    const float *x, *W;
+    const float *x, *xp, *W;
     float *y;
 } gemm_job_;
 
 static void gemm_item_(void *arg, int64_t b) {
     const gemm_job_ *j = arg;
-    gemm_cols_(j->M, j->N, j->K, j->x, j->ldx, j->W, j->y, b * NB, block_end_(b, j->N));
+    gemm_cols_(j->M, j->N, j->K, j->x, j->ldx, j->xp, j->W, j->y, b * NB, block_end_(b, j->N));
+}
+
+/* x packed for the 16-lane tiles when they run and M > 1 (*xp NULL otherwise); 0, or 2 when out of memory */
+static int maybe_pack_(int64_t M, int64_t K, const float *x, int64_t ldx, float **xp) {
+    *xp = NULL;
+    if (!wide_ || M < 2) return 0;
+    *xp = pack_pairs_(M, K, x, ldx);
+    return *xp ? 0 : 2;
 }
 
 /* y = x W^T over both threads (cpu_par.c) when the job is large enough: column blocks, each computed as above */
-static void gemm_(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx, const float *W, float *y) {
-    gemm_job_ j = {M, N, K, ldx, x, W, y};
+static int gemm_(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx, const float *W, float *y) {
+    float *xp;
+    if (maybe_pack_(M, K, x, ldx, &xp)) return 2;
+    gemm_job_ j = {M, N, K, ldx, x, xp, W, y};
     nextn_par_(gemm_item_, &j, (N + NB - 1) / NB, M * N * K);
+    free(xp);
+    return 0;
 }
 
 /* y [M, N] = x [M, K] (rows ldx apart) @ W [N, K]^T (contiguous); K % 8 == 0 */
 int nextn_linear_f32(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx, const float *W, float *y) {
     if (K % 8 || !nextn_linear_ok()) return 1;
-    gemm_(M, N, K, x, ldx, W, y);
-    return 0;
+    return gemm_(M, N, K, x, ldx, W, y);
 }
 
 typedef struct {
     int64_t M, H, I, ldx;
-    const float *x, *Wgu;
+    const float *x, *xp, *Wgu;
     float *gu;
 } gate_up_job_;
 
@@ -154,8 +284,8 @@ typedef struct {
 static void gate_up_item_(void *arg, int64_t b) {
     const gate_up_job_ *j = arg;
     const int64_t c0 = b * NB, c1 = block_end_(b, j->I);
-    gemm_cols_(j->M, 2 * j->I, j->H, j->x, j->ldx, j->Wgu, j->gu, c0, c1);
-    gemm_cols_(j->M, 2 * j->I, j->H, j->x, j->ldx, j->Wgu, j->gu, j->I + c0, j->I + c1);
+    gemm_cols_(j->M, 2 * j->I, j->H, j->x, j->ldx, j->xp, j->Wgu, j->gu, c0, c1);
+    gemm_cols_(j->M, 2 * j->I, j->H, j->x, j->ldx, j->xp, j->Wgu, j->gu, j->I + c0, j->I + c1);
     for (int64_t m = 0; m < j->M; m++) {  /* row m is [2I] at gu + m * 2I; c0, c1 are multiples of 8 (I is) */
         float *g = j->gu + m * 2 * j->I;
         const float *u = g + j->I;
@@ -168,11 +298,15 @@ static void gate_up_item_(void *arg, int64_t b) {
 int nextn_mlp_f32(int64_t M, int64_t H, int64_t I, const float *x, int64_t ldx, const float *Wgu, const float *Wd,
                   float *y) {
     if (H % 8 || I % 8 || !nextn_linear_ok()) return 1;
-    float *gu = malloc(sizeof(float) * (size_t)(M * 2 * I));
-    if (!gu) return 2;
-    gate_up_job_ j = {M, H, I, ldx, x, Wgu, gu};
+    float *gu = malloc(sizeof(float) * (size_t)(M * 2 * I)), *xp;
+    if (!gu || maybe_pack_(M, H, x, ldx, &xp)) {
+        free(gu);
+        return 2;
+    }
+    gate_up_job_ j = {M, H, I, ldx, x, xp, Wgu, gu};
     nextn_par_(gate_up_item_, &j, (I + NB - 1) / NB, M * 2 * I * H);
-    gemm_(M, H, I, gu, 2 * I, Wd, y);
+    free(xp);
+    const int rc = gemm_(M, H, I, gu, 2 * I, Wd, y);
     free(gu);
-    return 0;
+    return rc;
 }

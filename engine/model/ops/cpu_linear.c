@@ -11,8 +11,8 @@
  * On a CPU with AVX-512 the tiles of two or more rows run on 16-lane registers (tile16_): rows are packed in pairs
  * so that one register holds row 2p's eight lanes and row 2p+1's side by side, against a W chunk broadcast to both
  * halves. Each half is exactly the eight-lane accumulation above (the same fused multiply-adds, the same chunk
- * order, the same final tree), so the 16-lane tiles give the same bits as the 8-lane ones, at twice the
- * multiply-adds per instruction (tests/test_ops_cpu_linear.py compares the two bitwise).
+ * order, the same final tree, taken for both halves at once), so the 16-lane tiles give the same bits as the
+ * 8-lane ones, at twice the multiply-adds per instruction (tests/test_ops_cpu_linear.py compares the two bitwise).
  *
  * The code needs AVX2 and FMA (nextn_linear_ok() says whether this CPU has them; K must be a multiple of 8):
  * otherwise the caller keeps torch's GEMM.
@@ -90,9 +90,17 @@ TGT static void tile_(int64_t MR, int64_t NR, int64_t K, const float *x, int64_t
         for (int64_t j = 0; j < NR; j++) y[i * ldy + j] = hsum256_(acc[i][j]);
 }
 
-/* the low and high eight lanes of a 16-lane accumulator: rows 2p and 2p + 1 of a pair */
-TGT16 static inline __m256 lo8_(__m512 a) { return _mm512_castps512_ps256(a); }
-TGT16 static inline __m256 hi8_(__m512 a) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)); }
+/* hsum256_ of both eight-lane halves of a 16-lane accumulator at once (rows 2p and 2p + 1 of a pair), the same
+ * tree: xi = li + l(i+4), then (x0 + x2) + (x1 + x3); the low half's sum to *y0, the high half's to *y1 unless
+ * y1 is NULL */
+TGT16 static inline void hsum2x8_(__m512 a, float *y0, float *y1) {
+    const __m512 s = _mm512_add_ps(a, _mm512_shuffle_f32x4(a, a, _MM_SHUFFLE(2, 3, 0, 1)));  /* x0..x3 per half */
+    const __m512 t = _mm512_add_ps(s, _mm512_shuffle_ps(s, s, _MM_SHUFFLE(3, 2, 3, 2)));     /* x0+x2, x1+x3 */
+    const __m512 u = _mm512_add_ps(t, _mm512_shuffle_ps(t, t, _MM_SHUFFLE(1, 1, 1, 1)));     /* lane 0 and 8 */
+    *y0 = _mm512_cvtss_f32(u);
+    if (y1) *y1 = _mm512_cvtss_f32(_mm512_castps256_ps512(
+        _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(u), 1))));
+}
 
 /* W's eight floats at p in both halves */
 TGT16 static inline __m512 bcast8_(const float *p) {
@@ -127,8 +135,7 @@ TGT16 static inline __attribute__((always_inline)) void tile16_p_(const int P, i
     }
     for (int p = 0; p < P; p++)
         for (int j = 0; j < 3; j++) {
-            y[2 * p * ldy + j] = hsum256_(lo8_(acc[p][j]));
-            if (p < P - 1 || !odd) y[(2 * p + 1) * ldy + j] = hsum256_(hi8_(acc[p][j]));
+            hsum2x8_(acc[p][j], y + 2 * p * ldy + j, p < P - 1 || !odd ? y + (2 * p + 1) * ldy + j : NULL);
         }
 }
 
@@ -158,8 +165,7 @@ TGT16 static void tile16_(int64_t MR, int64_t NR, int64_t K, const float *xp, co
     }
     for (int64_t p = 0; p < P; p++)
         for (int64_t j = 0; j < NR; j++) {
-            y[2 * p * ldy + j] = hsum256_(lo8_(acc[p][j]));
-            if (2 * p + 1 < MR) y[(2 * p + 1) * ldy + j] = hsum256_(hi8_(acc[p][j]));
+            hsum2x8_(acc[p][j], y + 2 * p * ldy + j, 2 * p + 1 < MR ? y + (2 * p + 1) * ldy + j : NULL);
         }
 }
 

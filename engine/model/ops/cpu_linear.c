@@ -134,39 +134,20 @@ TGT16 static inline __attribute__((always_inline)) void tile16_p_(const int P, i
         }
     }
     for (int p = 0; p < P; p++)
-        for (int j = 0; j < 3; j++) {
+        for (int j = 0; j < 3; j++)
             hsum2x8_(acc[p][j], y + 2 * p * ldy + j, p < P - 1 || !odd ? y + (2 * p + 1) * ldy + j : NULL);
-        }
 }
 
-/* y[i, j] (i < MR <= 8, j < NR <= 3) from xp's (MR + 1) / 2 row pairs and W rows ldw apart, y rows ldy apart */
-TGT16 static void tile16_(int64_t MR, int64_t NR, int64_t K, const float *xp, const float *W, int64_t ldw,
-                          float *y, int64_t ldy) {
-    const int64_t P = (MR + 1) / 2;
+/* y[i, j] (i < MR <= 8, j < 3) from xp's (MR + 1) / 2 row pairs and three W rows ldw apart, y rows ldy apart */
+TGT16 static void tile16_(int64_t MR, int64_t K, const float *xp, const float *W, int64_t ldw, float *y,
+                          int64_t ldy) {
     const int odd = (int)(MR & 1);
-    if (NR == 3) {
-        switch (P) {
-            case 4: tile16_p_(4, odd, K, xp, W, ldw, y, ldy); return;
-            case 3: tile16_p_(3, odd, K, xp, W, ldw, y, ldy); return;
-            case 2: tile16_p_(2, odd, K, xp, W, ldw, y, ldy); return;
-            default: tile16_p_(1, odd, K, xp, W, ldw, y, ldy); return;
-        }
+    switch ((MR + 1) / 2) {
+        case 4: tile16_p_(4, odd, K, xp, W, ldw, y, ldy); return;
+        case 3: tile16_p_(3, odd, K, xp, W, ldw, y, ldy); return;
+        case 2: tile16_p_(2, odd, K, xp, W, ldw, y, ldy); return;
+        default: tile16_p_(1, odd, K, xp, W, ldw, y, ldy); return;
     }
-    __m512 acc[4][3];  /* the last columns of N (NR < 3) */
-    for (int i = 0; i < 4; i++)
-        for (int j = 0; j < 3; j++) acc[i][j] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 8) {
-        __m512 b[3];
-        for (int64_t j = 0; j < NR; j++) b[j] = bcast8_(W + j * ldw + k);
-        for (int64_t p = 0; p < P; p++) {
-            const __m512 v = _mm512_loadu_ps(xp + p * 2 * K + 2 * k);
-            for (int64_t j = 0; j < NR; j++) acc[p][j] = _mm512_fmadd_ps(v, b[j], acc[p][j]);
-        }
-    }
-    for (int64_t p = 0; p < P; p++)
-        for (int64_t j = 0; j < NR; j++) {
-            hsum2x8_(acc[p][j], y + 2 * p * ldy + j, 2 * p + 1 < MR ? y + (2 * p + 1) * ldy + j : NULL);
-        }
 }
 
 /* x [M, K] (rows ldx apart) in row pairs for tile16_: pair p is 2K floats, chunk c of it x[2p][8c .. 8c+8] then
@@ -217,14 +198,17 @@ TGT static void gemm_cols_(int64_t M, int64_t N, int64_t K, const float *x, int6
         row_(n1 - n0, K, x, W + n0 * K, K, y + n0);
         return;
     }
-    if (xp) {  /* as below, in tiles of 8 rows (4 pairs) x 3 columns; blocks of a multiple of 8 rows */
+    if (xp) {  /* as below, in tiles of 8 rows (4 pairs) x 3 columns; blocks of a multiple of 8 rows; the last
+                * one or two columns of N in the 8-lane tiles (the same sums) */
         const int64_t mb = (16384 / (4 * K)) & ~(int64_t)7 ? (16384 / (4 * K)) & ~(int64_t)7 : 8;
         for (int64_t m0 = 0; m0 < M; m0 += mb) {
             const int64_t m1 = m0 + mb < M ? m0 + mb : M;
             for (int64_t n = n0; n < n1; n += 3)
-                for (int64_t m = m0; m < m1; m += 8)
-                    tile16_(m1 - m < 8 ? m1 - m : 8, n1 - n < 3 ? n1 - n : 3, K, xp + m * K, W + n * K, K,
-                            y + m * N + n, N);
+                for (int64_t m = m0; m < m1; m += n1 - n < 3 ? 4 : 8)
+                    if (n1 - n < 3)
+                        tile_(m1 - m < 4 ? m1 - m : 4, n1 - n, K, x + m * ldx, ldx, W + n * K, K, y + m * N + n, N);
+                    else
+                        tile16_(m1 - m < 8 ? m1 - m : 8, K, xp + m * K, W + n * K, K, y + m * N + n, N);
         }
         return;
     }

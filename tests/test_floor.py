@@ -19,7 +19,7 @@ import pytest
 from config.settings import REPO_ROOT
 
 #: Packages whose floors the server tests exercise (pyproject.toml names each with a `>=` floor).
-FLOOR_PACKAGES = ("fastapi", "uvicorn", "pydantic", "tokenizers", "jinja2", "prometheus-client")
+FLOOR_PACKAGES = ("fastapi", "uvicorn", "uvloop", "pydantic", "tokenizers", "jinja2", "prometheus-client")
 #: What the floors bring that pyproject.toml does not name: the oldest starlette fastapi 0.115 accepts,
 #: and the pydantic-core pydantic 2.12.0 pins. Update with the floors above.
 COMPANIONS = {"starlette": "0.37.2", "pydantic-core": "2.41.1"}

@@ -217,3 +217,23 @@ def test_cpu_kernel_threads_reach_the_engine_process_and_keep_the_tokens():
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["token_ids"] == want
     assert any("C kernels" in line and "on 2 threads" in line for line in stderr), stderr
+
+
+def test_the_http_event_loop_is_uvloop_when_installed_and_logged(monkeypatch, caplog):
+    """uvicorn runs on uvloop (a dependency) and says so; without uvloop it falls back to asyncio, also logged."""
+    import importlib.util
+
+    from server.cli import event_loop
+    from tests.server_fixtures import ServerThread
+
+    with caplog.at_level(logging.INFO, logger="nextn"):
+        with ServerThread() as st:  # the served loop: uvicorn's listening server belongs to it
+            assert type(st.server.servers[0]).__module__.startswith("uvloop"), type(st.server.servers[0])
+            assert httpx.get(st.url + "/health", timeout=10).status_code == 200
+    assert "HTTP event loop: uvloop" in caplog.text
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "uvloop" else real(name, *a))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="nextn"):
+        assert event_loop() == "asyncio"
+    assert "asyncio (uvloop is not installed)" in caplog.text

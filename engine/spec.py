@@ -641,18 +641,19 @@ def _pick(rows: list[SpecSession], logits: torch.Tensor, extra: torch.Tensor) ->
                                                                                         list[torch.Tensor | None]]:
     """Each row's draft from its MTP logits [A, V] (fp32): argmax for greedy rows, a draw from q for sampled ones.
     `extra` [A, j] = the drafts so far (penalties; draft j is output token len(emitted) + j, for min_tokens).
-    Returns (tokens [A] long, top probability [A], q rows)."""
+    Returns (tokens [A] long, top probability [A] (None at depth 0: the p-min cut starts at depth 1), q rows)."""
     j = extra.shape[1]
     proc = torch.stack([r._pen.apply(logits[i], r.sampling, extra[i], n_out=len(r.emitted) + j)
                         for i, r in enumerate(rows)]) if any(r.sampling.processes for r in rows) else logits
-    top = torch.softmax(proc, dim=-1).amax(dim=-1)  # [A]
+    top = torch.softmax(proc, dim=-1).amax(dim=-1) if j else None  # [A]
     tok = ops.argmax(proc)  # [A]
     qs: list[torch.Tensor | None] = [None] * len(rows)
     for i, r in enumerate(rows):
         if not r.sampling.greedy:
             qs[i] = probs_from_logits(proc[i], r.sampling)  # [V]
             tok[i] = sample(qs[i], r._gen)
-            top[i] = qs[i].amax()
+            if top is not None:
+                top[i] = qs[i].amax()
     return tok, top, qs
 
 
@@ -696,7 +697,7 @@ def _draft(model: Qwen35ForCausalLM, rows: list[SpecSession], ks: list[int],
             if r.constraint is not None and hasattr(r.constraint, "draft_mask_logits") and bool(alive[a]):
                 lg[a] = r.constraint.draft_mask_logits(lg[a])
         tok, top, q = _pick(arows, lg, drafts[act, :j])
-        if j > 0:
+        if top is not None:  # j > 0
             # p-min tests the drafter's TOP probability before a token is chosen: whether position j is drafted
             # never depends on which token is drawn, so rejection sampling against q stays exact
             alive &= top >= torch.tensor([rows[i].p_min for i in act], device=dev, dtype=top.dtype)

@@ -1,7 +1,8 @@
 """The CPU kernels, in C, built with the system C compiler on first use and called through ctypes: the Gated
 DeltaNet token step (cpu_gdn.c), the gated attention token step and the zero-centred RMSNorm (cpu_attn.c), the
 small-M GEMM and the SwiGLU MLP built on it (cpu_linear.c, AVX2 + FMA; its tiles of two or more rows run 16 lanes
-wide on a CPU with AVX-512, with the same bits); cpu_vec.h holds the vector type and the exp they share.
+wide on a CPU with AVX-512, with the same bits) and the greedy pick over logits rows (cpu_sample.c, torch.argmax's
+picks); cpu_vec.h holds the vector type and the exp they share.
 
 Why: on a CPU a small model's decode step is bound by op dispatch, not arithmetic. The torch path spends ~60 aten
 calls per GDN layer per token between the input projection and the output projection (conv, l2norm, gates,
@@ -47,7 +48,8 @@ import torch
 
 log = logging.getLogger("nextn.cpu_kernels")
 
-SOURCES = tuple(Path(__file__).with_name(f) for f in ("cpu_gdn.c", "cpu_attn.c", "cpu_linear.c", "cpu_par.c"))
+SOURCES = tuple(Path(__file__).with_name(f) for f in ("cpu_gdn.c", "cpu_attn.c", "cpu_linear.c", "cpu_par.c",
+                                                      "cpu_sample.c"))
 HEADERS = tuple(Path(__file__).with_name(f) for f in ("cpu_vec.h", "cpu_par.h"))
 FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-pthread", "-shared", "-fPIC")
 
@@ -147,6 +149,9 @@ def _build() -> ctypes.CDLL | None:
     fn.restype = ctypes.c_int
     fn = lib.nextn_mlp_f32
     fn.argtypes = [i64, i64, i64, ptr, i64, ptr, ptr, ptr]
+    fn.restype = ctypes.c_int
+    fn = lib.nextn_argmax_f32
+    fn.argtypes = [i64, i64, ptr, i64, ptr]
     fn.restype = ctypes.c_int
     lib.nextn_set_threads.argtypes, lib.nextn_set_threads.restype = [ctypes.c_int], ctypes.c_int
     lib.nextn_set_threads(_threads)
@@ -428,3 +433,17 @@ def mlp_or_none(x: torch.Tensor, w_gu: torch.Tensor, w_down: torch.Tensor) -> to
                                 y.data_ptr()):
         raise RuntimeError("CPU MLP failed")
     return y
+
+
+def argmax_or_none(logits: torch.Tensor) -> torch.Tensor | None:
+    """The greedy pick of each row of logits [N, V] (cpu_sample.c), exactly torch.argmax(dim=-1)'s: the lowest
+    index of the maximum (-0.0 ties +0.0), the first NaN of a row that has one. [N] int64, or None when the kernel
+    does not take it (see `takes`; V == 0), and the caller's torch.argmax runs. torch's runs ~10x slower at
+    [32, 2112] on one thread (bench/RESULTS.md)."""
+    if not (logits.dim() == 2 and 0 < logits.shape[1] < 2 ** 31 and takes(logits)):
+        return None
+    x, pitch = _rows(logits)
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    if _lib.nextn_argmax_f32(logits.shape[0], logits.shape[1], x.data_ptr(), pitch, out.data_ptr()):  # type: ignore
+        raise RuntimeError("CPU argmax failed")
+    return out

@@ -1,12 +1,13 @@
 """One entry point per op: the Triton kernel for CUDA tensors when triton is installed, else the torch twin.
 
-CPU (and CUDA without triton) always runs the twins, so this module imports and works without triton.
+CPU (and CUDA without triton) runs the twins, so this module imports and works without triton; one exception:
+`argmax` of fp32 CPU logits runs cpu.py's C pick when it is built, which picks exactly what torch.argmax picks.
 The kernels' contracts (batch invariance, pool layout, what the caller passes) are in their modules:
 matmul.py, attention.py, gdn_update.py, norm.py, sample.py, act.py.
 
 Tests only: `force_kernels()` makes `use_triton` true for CPU tensors too, so the model's whole kernel path
 (engine/model/qwen35.py, moe.py, engine/graphs.py) runs on a CPU under TRITON_INTERPRET=1. Nothing in the serving
-path enters it; outside it, CPU tensors always take the torch path.
+path enters it; outside it, CPU tensors take the torch path (and `argmax` the C pick above).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 
 from . import act as _act
 from . import attention as _attn
+from . import cpu as _cpu
 from . import gdn_update as _gdn
 from . import matmul as _mm
 from . import norm as _norm
@@ -123,7 +125,10 @@ def moe_combine(y: torch.Tensor, inv: torch.Tensor, w: torch.Tensor, shared: tor
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
-    return (_sample.argmax if use_triton(logits) else _sample.argmax_ref)(logits)
+    if use_triton(logits):
+        return _sample.argmax(logits)
+    out = _cpu.argmax_or_none(logits)  # fp32 on the CPU: the C kernel, torch.argmax's picks exactly
+    return out if out is not None else _sample.argmax_ref(logits)
 
 
 def sample(logits: torch.Tensor, inv_temperature: torch.Tensor, threshold: torch.Tensor, seed: torch.Tensor,

@@ -16,12 +16,13 @@ pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C compiler: the 
 S, W = 5, 8  # pool slots, GDN window slots
 
 
-@pytest.fixture(scope="module")
-def layer_and_cfg(tmp_path_factory):
-    # two key heads serving four value heads (q, k repeated), Kc = 4
+@pytest.fixture(scope="module", params=[8, 44], ids=["dv8", "dv44"])
+def layer_and_cfg(tmp_path_factory, request):
+    # two key heads serving four value heads (q, k repeated), Kc = 4; dv = 44: the state's columns run as one block
+    # of four 8-column groups, one group alone and a 4-column tail (cpu_gdn.c)
     ck = make_checkpoint(tmp_path_factory.mktemp("cpu"), seed=11, mtp=False, with_tokenizer=False,
                          hidden_size=64, num_hidden_layers=2, linear_num_key_heads=2, linear_num_value_heads=4,
-                         linear_key_head_dim=16, linear_value_head_dim=8)
+                         linear_key_head_dim=16, linear_value_head_dim=request.param)
     model = load_model(ck)
     idx = model.config.layer_types.index("linear_attention")
     gdn = model.model.layers[idx].linear_attn

@@ -16,8 +16,8 @@
  * lens (NULL: T for every row) names each row's real tokens: tokens t >= lens[i] are right padding, they leave the
  * state alone and their outputs are zeros.
  *
- * silu is x / (1 + e^-x) with cpu_vec.h's exp; the state's columns run eight at a time (each still summed over the
- * key dimension in order). Every (row, token) runs the same code in the same order whatever N and T are, and no
+ * silu is x / (1 + e^-x) with cpu_vec.h's exp; the state's columns run eight at a time, G groups of eight side by
+ * side (each column still summed over the key dimension in order, so the grouping changes no bit). Every (row, token) runs the same code in the same order whatever N and T are, and no
  * sum is reordered (compiled without -ffast-math, with -ffp-contract=off), so a row's bits never depend on the
  * batch or on T.
  */
@@ -30,6 +30,7 @@
 #include "cpu_vec.h"
 
 #define MAX_KC 16
+#define G 4  /* the state's column groups of eight updated together (independent sums: the adds' latency overlaps) */
 
 static inline float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
 static inline float softplusf_(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
@@ -111,6 +112,19 @@ static void gdn_row_(void *arg, int64_t i) {
             const float *s0 = rs + h * dk * dv;
             float *s = rd + h * dk * dv;
             int64_t j = 0;
+            for (; j + 8 * G <= dv; j += 8 * G) {  /* G x 8 columns at a time: G independent chains */
+                v8 uj[G];
+                for (int g = 0; g < G; g++) uj[g] = splat8_(0.0f);
+                for (int64_t a = 0; a < dk; a++) {
+                    const float ka = k[a];
+                    for (int g = 0; g < G; g++) {
+                        const v8 sv = ld8_(s0 + a * dv + j + 8 * g) * decay;
+                        st8_(s + a * dv + j + 8 * g, sv);
+                        uj[g] = uj[g] + sv * ka;
+                    }
+                }
+                for (int g = 0; g < G; g++) st8_(u + j + 8 * g, uj[g]);
+            }
             for (; j + 8 <= dv; j += 8) {  /* eight columns at a time, each summed over a in order */
                 v8 uj = splat8_(0.0f);
                 for (int64_t a = 0; a < dk; a++) {
@@ -129,7 +143,23 @@ static void gdn_row_(void *arg, int64_t i) {
                 }
             }
             for (j = 0; j < dv; j++) delta[j] = beta * (v[j] - u[j]);
-            for (j = 0; j + 8 <= dv; j += 8) {
+            for (j = 0; j + 8 * G <= dv; j += 8 * G) {
+                v8 dj[G], oj[G];
+                for (int g = 0; g < G; g++) {
+                    dj[g] = ld8_(delta + j + 8 * g);
+                    oj[g] = splat8_(0.0f);
+                }
+                for (int64_t a = 0; a < dk; a++) {
+                    const float ka = k[a], qa = q[a];
+                    for (int g = 0; g < G; g++) {
+                        const v8 sv = ld8_(s + a * dv + j + 8 * g) + ka * dj[g];
+                        st8_(s + a * dv + j + 8 * g, sv);
+                        oj[g] = oj[g] + sv * qa;
+                    }
+                }
+                for (int g = 0; g < G; g++) st8_(o + j + 8 * g, oj[g]);
+            }
+            for (; j + 8 <= dv; j += 8) {
                 const v8 dj = ld8_(delta + j);
                 v8 oj = splat8_(0.0f);
                 for (int64_t a = 0; a < dk; a++) {

@@ -245,7 +245,7 @@ def describe(device: torch.device | str, dtype: torch.dtype) -> str | None:
         return f"{what}: torch ops (C kernels unavailable: {_why})"
     gemm = "; GEMMs: torch (this CPU lacks AVX2 + FMA)" if not _gemm else \
         "; GEMM tiles: 16 lanes (AVX-512)" if _lib.nextn_linear_set_wide(int(_wide)) else ""  # type: ignore
-    return (f"{what}: C kernels (engine/model/ops/cpu_gdn.c, cpu_attn.c, cpu_linear.c) on {_threads} "
+    return (f"{what}: C kernels (engine/model/ops/cpu_gdn.c, cpu_attn.c, cpu_linear.c, cpu_sample.c) on {_threads} "
             f"thread{'s' if _threads > 1 else ''}{gemm}")
 
 

@@ -17,9 +17,9 @@
  * state alone and their outputs are zeros.
  *
  * silu is x / (1 + e^-x) with cpu_vec.h's exp; the state's columns run eight at a time, G groups of eight side by
- * side (each column still summed over the key dimension in order, so the grouping changes no bit). Every (row, token) runs the same code in the same order whatever N and T are, and no
- * sum is reordered (compiled without -ffast-math, with -ffp-contract=off), so a row's bits never depend on the
- * batch or on T.
+ * side (each column still summed over the key dimension in order, so the grouping changes no bit). Every
+ * (row, token) runs the same code in the same order whatever N and T are, and no sum is reordered (compiled
+ * without -ffast-math, with -ffp-contract=off), so a row's bits never depend on the batch or on T.
  */
 #include <math.h>
 #include <stdint.h>

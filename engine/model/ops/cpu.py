@@ -438,8 +438,8 @@ def mlp_or_none(x: torch.Tensor, w_gu: torch.Tensor, w_down: torch.Tensor) -> to
 def argmax_or_none(logits: torch.Tensor) -> torch.Tensor | None:
     """The greedy pick of each row of logits [N, V] (cpu_sample.c), exactly torch.argmax(dim=-1)'s: the lowest
     index of the maximum (-0.0 ties +0.0), the first NaN of a row that has one. [N] int64, or None when the kernel
-    does not take it (see `takes`; V == 0), and the caller's torch.argmax runs. torch's runs ~10x slower at
-    [32, 2112] on one thread (bench/RESULTS.md)."""
+    does not take it (see `takes`; V == 0 or >= 2^31), and the caller's torch.argmax runs. torch's runs ~7x slower
+    at [32, 2112] on one thread (bench/RESULTS.md)."""
     if not (logits.dim() == 2 and 0 < logits.shape[1] < 2 ** 31 and takes(logits)):
         return None
     x, pitch = _rows(logits)

@@ -43,6 +43,43 @@ static void l2norm_(const float *x, float *y, int64_t n, float scale) {
     for (int64_t i = 0; i < n; i++) y[i] = (x[i] * r) * scale;
 }
 
+/* columns [0, 8 ng) of one head's state (rows dv apart): s = decay * s0 and u = s^T k, each column summed over
+ * a in order; the ng groups of eight are independent sums side by side. Inlined with ng constant. */
+static inline __attribute__((always_inline)) void decay_u_(const int ng, int64_t dk, int64_t dv, const float *s0,
+                                                           float *s, const float *k, float decay, float *u) {
+    v8 uj[G];
+    for (int g = 0; g < ng; g++) uj[g] = splat8_(0.0f);
+    for (int64_t a = 0; a < dk; a++) {
+        const float ka = k[a];
+        for (int g = 0; g < ng; g++) {
+            const v8 sv = ld8_(s0 + a * dv + 8 * g) * decay;
+            st8_(s + a * dv + 8 * g, sv);
+            uj[g] = uj[g] + sv * ka;
+        }
+    }
+    for (int g = 0; g < ng; g++) st8_(u + 8 * g, uj[g]);
+}
+
+/* the same columns: s += k delta^T and o = s^T q, each column summed over a in order */
+static inline __attribute__((always_inline)) void update_o_(const int ng, int64_t dk, int64_t dv, float *s,
+                                                            const float *k, const float *q, const float *delta,
+                                                            float *o) {
+    v8 dj[G], oj[G];
+    for (int g = 0; g < ng; g++) {
+        dj[g] = ld8_(delta + 8 * g);
+        oj[g] = splat8_(0.0f);
+    }
+    for (int64_t a = 0; a < dk; a++) {
+        const float ka = k[a], qa = q[a];
+        for (int g = 0; g < ng; g++) {
+            const v8 sv = ld8_(s + a * dv + 8 * g) + ka * dj[g];
+            st8_(s + a * dv + 8 * g, sv);
+            oj[g] = oj[g] + sv * qa;
+        }
+    }
+    for (int g = 0; g < ng; g++) st8_(o + 8 * g, oj[g]);
+}
+
 typedef struct {
     int64_t N, T, proj_row, conv_slot, conv_win, rec_slot, rec_win, C, Kc, nk, dk, nv, dv, record;
     const float *proj, *convw, *neg_a, *dt_bias, *norm_w;
@@ -112,28 +149,8 @@ static void gdn_row_(void *arg, int64_t i) {
             const float *s0 = rs + h * dk * dv;
             float *s = rd + h * dk * dv;
             int64_t j = 0;
-            for (; j + 8 * G <= dv; j += 8 * G) {  /* G x 8 columns at a time: G independent chains */
-                v8 uj[G];
-                for (int g = 0; g < G; g++) uj[g] = splat8_(0.0f);
-                for (int64_t a = 0; a < dk; a++) {
-                    const float ka = k[a];
-                    for (int g = 0; g < G; g++) {
-                        const v8 sv = ld8_(s0 + a * dv + j + 8 * g) * decay;
-                        st8_(s + a * dv + j + 8 * g, sv);
-                        uj[g] = uj[g] + sv * ka;
-                    }
-                }
-                for (int g = 0; g < G; g++) st8_(u + j + 8 * g, uj[g]);
-            }
-            for (; j + 8 <= dv; j += 8) {  /* eight columns at a time, each summed over a in order */
-                v8 uj = splat8_(0.0f);
-                for (int64_t a = 0; a < dk; a++) {
-                    const v8 sv = ld8_(s0 + a * dv + j) * decay;
-                    st8_(s + a * dv + j, sv);
-                    uj = uj + sv * k[a];
-                }
-                st8_(u + j, uj);
-            }
+            for (; j + 8 * G <= dv; j += 8 * G) decay_u_(G, dk, dv, s0 + j, s + j, k, decay, u + j);
+            for (; j + 8 <= dv; j += 8) decay_u_(1, dk, dv, s0 + j, s + j, k, decay, u + j);
             for (; j < dv; j++) {
                 u[j] = 0.0f;
                 for (int64_t a = 0; a < dk; a++) {
@@ -143,32 +160,8 @@ static void gdn_row_(void *arg, int64_t i) {
                 }
             }
             for (j = 0; j < dv; j++) delta[j] = beta * (v[j] - u[j]);
-            for (j = 0; j + 8 * G <= dv; j += 8 * G) {
-                v8 dj[G], oj[G];
-                for (int g = 0; g < G; g++) {
-                    dj[g] = ld8_(delta + j + 8 * g);
-                    oj[g] = splat8_(0.0f);
-                }
-                for (int64_t a = 0; a < dk; a++) {
-                    const float ka = k[a], qa = q[a];
-                    for (int g = 0; g < G; g++) {
-                        const v8 sv = ld8_(s + a * dv + j + 8 * g) + ka * dj[g];
-                        st8_(s + a * dv + j + 8 * g, sv);
-                        oj[g] = oj[g] + sv * qa;
-                    }
-                }
-                for (int g = 0; g < G; g++) st8_(o + j + 8 * g, oj[g]);
-            }
-            for (; j + 8 <= dv; j += 8) {
-                const v8 dj = ld8_(delta + j);
-                v8 oj = splat8_(0.0f);
-                for (int64_t a = 0; a < dk; a++) {
-                    const v8 sv = ld8_(s + a * dv + j) + k[a] * dj;
-                    st8_(s + a * dv + j, sv);
-                    oj = oj + sv * q[a];
-                }
-                st8_(o + j, oj);
-            }
+            for (j = 0; j + 8 * G <= dv; j += 8 * G) update_o_(G, dk, dv, s + j, k, q, delta + j, o + j);
+            for (; j + 8 <= dv; j += 8) update_o_(1, dk, dv, s + j, k, q, delta + j, o + j);
             for (; j < dv; j++) {
                 o[j] = 0.0f;
                 for (int64_t a = 0; a < dk; a++) {

@@ -641,11 +641,12 @@ def _pick(rows: list[SpecSession], logits: torch.Tensor, extra: torch.Tensor) ->
                                                                                         list[torch.Tensor | None]]:
     """Each row's draft from its MTP logits [A, V] (fp32): argmax for greedy rows, a draw from q for sampled ones.
     `extra` [A, j] = the drafts so far (penalties; draft j is output token len(emitted) + j, for min_tokens).
-    Returns (tokens [A] long, top probability [A] (None at depth 0: the p-min cut starts at depth 1), q rows)."""
+    Returns (tokens [A] long, top probability [A] (None at depth 0, where the p-min cut does not apply, and when no
+    row has p_min > 0: a probability is never below 0), q rows)."""
     j = extra.shape[1]
     proc = torch.stack([r._pen.apply(logits[i], r.sampling, extra[i], n_out=len(r.emitted) + j)
                         for i, r in enumerate(rows)]) if any(r.sampling.processes for r in rows) else logits
-    top = torch.softmax(proc, dim=-1).amax(dim=-1) if j else None  # [A]
+    top = torch.softmax(proc, dim=-1).amax(dim=-1) if j and any(r.p_min > 0 for r in rows) else None  # [A]
     tok = ops.argmax(proc)  # [A]
     qs: list[torch.Tensor | None] = [None] * len(rows)
     for i, r in enumerate(rows):
@@ -685,19 +686,19 @@ def _draft(model: Qwen35ForCausalLM, rows: list[SpecSession], ks: list[int],
     alive = torch.ones(len(act), dtype=torch.bool, device=dev)
     for j in range(K):
         live = [a for a, i in enumerate(act) if ks[i] > j]
+        if j > 0 and len(live) < len(act):
+            act, h, alive = [act[a] for a in live], h[live], alive[live]
+        ix = act if len(act) < N else slice(None)  # drafts' rows of `act` (all rows: views, not gathers)
         if j > 0:  # chained depth: the previous draft and the head's own hidden, one row each
-            if len(live) < len(act):
-                act, h, alive = [act[a] for a in live], h[live], alive[live]
-                live = list(range(len(act)))
-            prev = drafts[act, j - 1].clamp_min(0)[:, None]  # [A, 1]
+            prev = drafts[ix, j - 1].clamp_min(0)[:, None]  # [A, 1]
             h, lg = runner.draft(model, pool, prev, h, [rows[i].slot for i in act],
                                  [len(rows[i].committed) - 1 + j for i in act], None)  # [A, 1, H], [A, V]
         arows = [rows[i] for i in act]
         for a, r in enumerate(arows):  # grammars propose legal drafts only (drafts never affect exactness)
             if r.constraint is not None and hasattr(r.constraint, "draft_mask_logits") and bool(alive[a]):
                 lg[a] = r.constraint.draft_mask_logits(lg[a])
-        tok, top, q = _pick(arows, lg, drafts[act, :j])
-        if top is not None:  # j > 0
+        tok, top, q = _pick(arows, lg, drafts[ix, :j])
+        if top is not None:  # j > 0 and some row has p_min > 0
             # p-min tests the drafter's TOP probability before a token is chosen: whether position j is drafted
             # never depends on which token is drawn, so rejection sampling against q stays exact
             alive &= top >= torch.tensor([rows[i].p_min for i in act], device=dev, dtype=top.dtype)
@@ -716,7 +717,7 @@ def _draft(model: Qwen35ForCausalLM, rows: list[SpecSession], ks: list[int],
                         r._window += 1
                     else:
                         alive[a] = False
-        drafts[act, j] = torch.where(alive, tok, -1)
+        drafts[ix, j] = torch.where(alive, tok, -1)
     # a cut is final: nothing after the first -1 counts
     drafts = torch.where(torch.cumprod((drafts >= 0).long(), dim=1).bool(), drafts, -1)
     return drafts, qs

@@ -68,6 +68,25 @@ def test_mixed_batch_equals_alone_and_plain_greedy(model):
         assert sched.pool.num_free == 5 and not sched.running and not sched.joining
 
 
+def test_p_min_cuts_each_row_as_alone_in_a_mixed_batch(model):
+    """Rows with p_min 0 (the round then skips the top-probability test), 0.3 and 1.01 (every chained draft cut)
+    in one batch: each drafts exactly what it drafts alone, and all emit plain greedy."""
+    V = model.config.vocab_size
+    ps = _prompts(V)
+    p_mins = (0.0, 1.01, 0.3)
+    alone = [SpecSession(model, ps[i], 30, k=4, p_min=p) for i, p in enumerate(p_mins)]
+    for a in alone:
+        a.run()
+    sched = Scheduler(model, max_num_seqs=3, max_model_len=160, k=4, max_num_batched_tokens=128)
+    rows = [SpecSession(model, ps[i], 30, k=4, p_min=p, pool=sched.pool) for i, p in enumerate(p_mins)]
+    _run(sched, {0: rows})
+    for i, (r, a) in enumerate(zip(rows, alone)):
+        assert r.emitted == a.emitted == generate_spec(model, ps[i], 30, k=0)[0], f"row {i}"
+        assert (r.telem.pos_drafted, r.len_hist) == (a.telem.pos_drafted, a.len_hist), f"row {i}"
+    assert rows[1].telem.pos_drafted[1:] == [0] * (len(rows[1].telem.pos_drafted) - 1)  # only d0, ever
+    assert rows[0].telem.pos_drafted[1] > 0
+
+
 def test_pool_admission_and_slot_reuse(ckpt):
     model = load_model(ckpt)
     V = model.config.vocab_size

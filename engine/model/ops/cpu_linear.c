@@ -13,6 +13,9 @@
  * halves. Each half is exactly the eight-lane accumulation above (the same fused multiply-adds, the same chunk
  * order, the same final tree, taken for both halves at once), so the 16-lane tiles give the same bits as the
  * 8-lane ones, at twice the multiply-adds per instruction (tests/test_ops_cpu_linear.py compares the two bitwise).
+ * Their main tile is 2 pairs x 8 columns (tile16x8_): a pair's 16 final trees are taken together in one register
+ * (hsums8_: the same additions of the same operands, lanes side by side) and stored as two rows of eight; the last
+ * columns (fewer than 8) take 4 pairs x 3 columns (tile16_), each tree on its own.
  *
  * The code needs AVX2 and FMA (nextn_linear_ok() says whether this CPU has them; K must be a multiple of 8):
  * otherwise the caller keeps torch's GEMM.
@@ -150,6 +153,55 @@ TGT16 static void tile16_(int64_t MR, int64_t K, const float *xp, const float *W
     }
 }
 
+/* hsum2x8_ of eight accumulators a[0..8) at once, in one register: the same additions of the same operands,
+ * with the lanes of several accumulators side by side (14 shuffles and 7 adds for 16 sums instead of 32 and 24).
+ * Sum r (0: the low half's row, 1: the high half's) of accumulator i lands in lane 8 (i & 1) + 4 r + i / 2. */
+TGT16 static inline __m512 hsums8_(const __m512 *a) {
+    __m512 s[4], t[2];
+    for (int e = 0; e < 4; e++)  /* x_q = l_q + l_(q+4) of each half: [a(2e) lo, a(2e) hi, a(2e+1) lo, a(2e+1) hi] */
+        s[e] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * e], a[2 * e + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(a[2 * e], a[2 * e + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    for (int f = 0; f < 2; f++)  /* x0 + x2, x1 + x3 of s[2f]'s four halves, then of s[2f + 1]'s */
+        t[f] = _mm512_add_ps(_mm512_shuffle_ps(s[2 * f], s[2 * f + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(s[2 * f], s[2 * f + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm512_add_ps(_mm512_shuffle_ps(t[0], t[1], _MM_SHUFFLE(2, 0, 2, 0)),  /* (x0 + x2) + (x1 + x3) */
+                         _mm512_shuffle_ps(t[0], t[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* y[i, j] (i < 2P, j < 8) from P <= 2 row pairs of xp (pack_pairs_ layout) and eight W rows ldw apart; y rows
+ * ldy apart; row 2P - 1 is skipped when `odd`. Per output: tile_'s sum, in one half of a 16-lane register; a
+ * pair's 16 sums come out of hsums8_ in one register, permuted into its two rows of eight and stored as such. */
+TGT16 static inline __attribute__((always_inline)) void tile16x8_p_(const int P, int odd, int64_t K, const float *xp,
+                                                                    const float *W, int64_t ldw, float *y,
+                                                                    int64_t ldy) {
+    __m512 acc[2][8];
+    for (int p = 0; p < P; p++)
+        for (int j = 0; j < 8; j++) acc[p][j] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8) {
+        __m512 b[8];
+        for (int j = 0; j < 8; j++) b[j] = bcast8_(W + j * ldw + k);
+        for (int p = 0; p < P; p++) {
+            const __m512 v = ldx16_(xp + p * 2 * K + 2 * k);
+            for (int j = 0; j < 8; j++) acc[p][j] = _mm512_fmadd_ps(v, b[j], acc[p][j]);
+        }
+    }
+    /* lane 8 r + j <- hsums8_'s lane of (column j, row r) */
+    const __m512i to_rows = _mm512_set_epi32(15, 7, 14, 6, 13, 5, 12, 4, 11, 3, 10, 2, 9, 1, 8, 0);
+    for (int p = 0; p < P; p++) {
+        const __m512 u = _mm512_permutexvar_ps(to_rows, hsums8_(acc[p]));
+        _mm256_storeu_ps(y + 2 * p * ldy, _mm512_castps512_ps256(u));
+        if (p < P - 1 || !odd)
+            _mm256_storeu_ps(y + (2 * p + 1) * ldy, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(u), 1)));
+    }
+}
+
+/* y[i, j] (i < MR <= 4, j < 8) from xp's (MR + 1) / 2 row pairs */
+TGT16 static void tile16x8_(int64_t MR, int64_t K, const float *xp, const float *W, int64_t ldw, float *y,
+                            int64_t ldy) {
+    if (MR > 2) tile16x8_p_(2, (int)(MR & 1), K, xp, W, ldw, y, ldy);
+    else tile16x8_p_(1, (int)(MR & 1), K, xp, W, ldw, y, ldy);
+}
+
 /* x [M, K] (rows ldx apart) in row pairs for tile16_: pair p is 2K floats, chunk c of it x[2p][8c .. 8c+8] then
  * x[2p+1][8c .. 8c+8] (zeros for an odd M's missing row). NULL when out of memory. */
 static float *pack_pairs_(int64_t M, int64_t K, const float *x, int64_t ldx) {
@@ -198,12 +250,16 @@ TGT static void gemm_cols_(int64_t M, int64_t N, int64_t K, const float *x, int6
         row_(n1 - n0, K, x, W + n0 * K, K, y + n0);
         return;
     }
-    if (xp) {  /* as below, in tiles of 8 rows (4 pairs) x 3 columns; blocks of a multiple of 8 rows; the last
-                * one or two columns of N in the 8-lane tiles (the same sums) */
+    if (xp) {  /* as below: tiles of 4 rows (2 pairs) x 8 columns, then the last columns (fewer than 8) in tiles
+                * of 8 rows x 3 columns, their last one or two in the 8-lane tiles (the same sums) */
         const int64_t mb = (16384 / (4 * K)) & ~(int64_t)7 ? (16384 / (4 * K)) & ~(int64_t)7 : 8;
+        const int64_t n8 = n0 + (n1 - n0) / 8 * 8;
         for (int64_t m0 = 0; m0 < M; m0 += mb) {
             const int64_t m1 = m0 + mb < M ? m0 + mb : M;
-            for (int64_t n = n0; n < n1; n += 3)
+            for (int64_t n = n0; n < n8; n += 8)
+                for (int64_t m = m0; m < m1; m += 4)
+                    tile16x8_(m1 - m < 4 ? m1 - m : 4, K, xp + m * K, W + n * K, K, y + m * N + n, N);
+            for (int64_t n = n8; n < n1; n += 3)
                 for (int64_t m = m0; m < m1; m += n1 - n < 3 ? 4 : 8)
                     if (n1 - n < 3)
                         tile_(m1 - m < 4 ? m1 - m : 4, n1 - n, K, x + m * ldx, ldx, W + n * K, K, y + m * N + n, N);

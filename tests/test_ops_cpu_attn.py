@@ -117,6 +117,49 @@ def test_attention_step_is_batch_and_T_invariant_bitwise():
                                  kv_c.k, kv_c.v, [0, 2, 4], [5, 11, 20], *heads), "size-1 dim")
 
 
+def test_attention_step_reads_rope_rows_by_position_from_a_table_bitwise():
+    """cos / sin as `rope_table`'s table (rows by position, what a step forward passes) give the bits of the same
+    rows gathered per token; a position past the table raises instead of reading past it."""
+    att, cfg = _layer(16, 0.25, seed=8)
+    T, slots, pos0 = 3, [4, 1], [17, 2]
+    qkv = torch.randn(2, T, att._w_qkv.shape[0], generator=torch.Generator().manual_seed(9))
+    ctx = FwdCtx.make(cfg, "cpu", torch.float32, slots, pos0, [0, 0], [0, 0], T, True)
+    args = (one_plus(att.q_norm.weight, torch.float32), one_plus(att.k_norm.weight, torch.float32), att.q_norm.eps)
+    heads = (att.nh, att.nkv, att.hd, att.hd ** -0.5)
+    kv_r, kv_t = _pool(cfg, 3), _pool(cfg, 3)
+    y_r = cpu.attn_step(qkv, *args, *ctx.rope, kv_r.k, kv_r.v, slots, pos0, *heads)  # [N, T, R] per token
+    cos, sin = ctx.rope_tab
+    assert cos.dim() == 2 and cos.shape[0] >= max(pos0) + T
+    y_t = cpu.attn_step(qkv, *args, cos, sin, kv_t.k, kv_t.v, slots, pos0, *heads)
+    assert_bitwise(y_t, y_r, "RoPE rows from the table vs per token")
+    assert_bitwise(kv_t.k, kv_r.k, "cached K")
+    with pytest.raises(IndexError):  # the table ends before position 17 + 2
+        cpu.attn_step(qkv, *args, cos[:18], sin[:18], _pool(cfg, 3).k, _pool(cfg, 3).v, slots, pos0, *heads)
+
+
+def test_a_step_forward_on_the_c_kernels_builds_no_index_tensors():
+    """An N-row context's index tensors and gathered RoPE rows are built on first use, as they were eagerly
+    (same values); a step forward whose layers all run the C kernels reads only host lists and the table."""
+    att, cfg = _layer(16, 0.25, seed=10)
+    slots, pos0, T = [3, 0, 4], [9, 0, 30], 2
+    ctx = FwdCtx.make(cfg, "cpu", torch.float32, slots, pos0, [1, 0, 2], [2, 1, 0], T, True)
+    x = torch.randn(3, T, cfg.hidden_size)
+    with cpu_kernel("attn_step", True):
+        att(x, ctx, _pool(cfg, 5))
+    assert ctx._slot_t is None and ctx._rope is None  # nothing built
+    positions = torch.tensor(pos0)[:, None] + torch.arange(T)
+    cos, sin = ctx.rope_tab
+    assert_bitwise(ctx.rope[0], cos[positions], "cos rows")
+    assert_bitwise(ctx.rope[1], sin[positions], "sin rows")
+    assert ctx.slot_t.tolist() == slots and ctx.read_t.tolist() == [1, 0, 2]
+    assert ctx.write_t.tolist() == [[2, 3], [1, 2], [0, 1]]
+    assert ctx.kv_slot.tolist() == [3, 3, 0, 0, 4, 4] and ctx.kv_pos.tolist() == [9, 10, 0, 1, 30, 31]
+    one = FwdCtx.make(cfg, "cpu", torch.float32, [2], [5], [0], [0], T, True)
+    assert one.slot_t is None and one.rope[0].shape == (1, T, cos.shape[1])  # one row: a slice, no index tensors
+    pre = FwdCtx.make(cfg, "cpu", torch.float32, [0, 1], [0, 0], [0, 0], [0, 0], 4, False, lens=[4, 2])
+    assert pre.lens == [4, 2] and pre.lens_t.tolist() == [4, 2] and pre.write_t.tolist() == [0, 0]
+
+
 def test_attention_bad_indices_and_arguments_raise():
     att, cfg = _layer(16, 0.25, seed=6)
     kv = _pool(cfg, 3)

@@ -149,10 +149,25 @@ def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     return torch.cat([xr * c + rot * s, xp], dim=-1)
 
 
+class _Lazy:
+    """A `FwdCtx` index tensor (stored as `_<name>`): an N-row host context builds it, with the others, on first
+    read (`FwdCtx._index`); one host row has none (None); a kernel-path context was given it."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.attr = "_" + name
+
+    def __get__(self, ctx: FwdCtx | None, owner: type | None = None):
+        if ctx is None:
+            return self
+        if getattr(ctx, self.attr) is None and ctx.slots is not None and len(ctx.slots) > 1:
+            ctx._index()
+        return getattr(ctx, self.attr)
+
+
 @dataclass
 class FwdCtx:
-    """Where the N rows of one cached forward live in a `StatePool` (host lists; tensors derived once, none for
-    one row: the torch path reads a single row's host values directly).
+    """Where the N rows of one cached forward live in a `StatePool` (host lists; the torch path's index tensors are
+    derived from them on first use, none for one row: the torch path reads a single row's host values directly).
 
     Row i's T new tokens sit at positions pos0[i].. of pool slot slots[i]. GDN layers read the state in window
     slot read[i]; with record=True the state after token t goes to window slot write0[i] + t, else only the final
@@ -161,6 +176,11 @@ class FwdCtx:
     writes only final states (record=False, batched prefill) names each row's real length in `lens`: GDN layers
     then make the padding tokens leave the state unchanged (decay 1, beta 0) and keep the conv window of token
     lens[i] - 1, so a row's final state is that of its own tokens.
+
+    An N-row host context builds its index tensors and gathered RoPE rows (`slot_t`, `read_t`, `write_t`,
+    `kv_slot`, `kv_pos`, `rope`, `lens_t`) when the torch path first reads one: a step forward that runs
+    ops/cpu.py's C kernels reads only the host lists and `rope_tab`, so it builds none (~55 us a context at N = 8
+    on the CPU box, four contexts a round).
 
     `from_tensors` builds the kernel path's step context instead: device tensors only (the host lists are None),
     `kernels` True, record semantics with write0 = 0 (the pool layout's step contract)."""
@@ -171,46 +191,75 @@ class FwdCtx:
     write0: list[int] | None
     T: int
     record: bool
-    slot_t: torch.Tensor | None  # [N] long (None: a one-row host forward)
-    read_t: torch.Tensor | None  # [N] long (None: a one-row host forward)
-    write_t: torch.Tensor | None  # [N, T] long (record) or [N] long
-    kv_slot: torch.Tensor | None  # [N*T] long: pool slot of each new token
-    kv_pos: torch.Tensor | None  # [N*T] long: its position
-    rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin [N, T, R]
+    _slot_t: torch.Tensor | None  # [N] long (None: a one-row host forward, or not built yet)
+    _read_t: torch.Tensor | None  # [N] long (as _slot_t)
+    _write_t: torch.Tensor | None  # [N, T] long (record) or [N] long
+    _kv_slot: torch.Tensor | None  # [N*T] long: pool slot of each new token
+    _kv_pos: torch.Tensor | None  # [N*T] long: its position
+    _rope: tuple[torch.Tensor, torch.Tensor] | None  # cos, sin [N, T, R] (None: N host rows, not built yet)
     pos0_t: torch.Tensor | None = None  # [N] long (kernel path)
     kernels: bool = False  # a `from_tensors` step context: attention and GDN run as kernels over the pool
     _masks: torch.Tensor | None = None  # [N, T, max S] bool, built by the first `causal_mask` call
     _flat: dict | None = None  # (width, what) -> flat pool-row indices, built by the first `flat` call
     _consecutive: bool | None = None  # the rows' slots are consecutive and ascending (set by the first `rows` call)
     lens: list[int] | None = None  # record=False, N rows: each row's real token count (None: all T)
-    lens_t: torch.Tensor | None = None  # [N] long, when lens is set
+    _lens_t: torch.Tensor | None = None  # [N] long, when lens is set (built on first use)
+    device: torch.device | str | None = None  # host contexts: where the index tensors go
+    rope_tab: tuple[torch.Tensor, torch.Tensor] | None = None  # host contexts: cos, sin [>= max(pos0) + T, R]
 
     @classmethod
     def make(cls, cfg, device: torch.device | str, dtype: torch.dtype, slots: list[int], pos0: list[int],
              read: list[int], write0: list[int], T: int, record: bool, lens: list[int] | None = None) -> FwdCtx:
-        """The context of a host-driven forward. One row (the torch path then reads the host lists): no index
-        tensors (None), RoPE rows as a slice of the table; N rows: the index tensors, RoPE rows gathered.
-        lens: N rows with record=False, their real lengths (<= T; the rest is right padding)."""
+        """The context of a host-driven forward: the host lists and the RoPE table (`rope_tab`). One row: no index
+        tensors (None), RoPE rows as a slice of the table; N rows: the index tensors and gathered RoPE rows when
+        the torch path first reads them. lens: N rows with record=False, their real lengths (<= T; the rest is
+        right padding)."""
         N = len(slots)
         assert lens is None or (not record and len(lens) == N and max(lens) <= T)
         if N == 1:
             assert lens is None or lens[0] == T
-            cos, sin = rope_table(cfg, pos0[0] + T, device, dtype)
             p0 = pos0[0]
+            tab = cos, sin = rope_table(cfg, p0 + T, device, dtype)
             return cls(slots, pos0, read, write0, T, record, None, None, None, None, None,
-                       (cos[None, p0:p0 + T], sin[None, p0:p0 + T]))
-        ar = torch.arange(T, device=device)
-        slot_t = torch.tensor(slots, device=device)
-        positions = torch.tensor(pos0, device=device)[:, None] + ar  # [N, T]
-        write_t = torch.tensor(write0, device=device)
-        if record:
-            write_t = write_t[:, None] + ar  # [N, T]
-        cos, sin = rope_table(cfg, max(pos0) + T, device, dtype)
-        ctx = cls(slots, pos0, read, write0, T, record, slot_t, torch.tensor(read, device=device), write_t,
-                  slot_t.repeat_interleave(T), positions.reshape(N * T), (cos[positions], sin[positions]))
-        if lens is not None and min(lens) < T:
-            ctx.lens, ctx.lens_t = list(lens), torch.tensor(lens, device=device)
-        return ctx
+                       (cos[None, p0:p0 + T], sin[None, p0:p0 + T]), None, False, None, None, None, None, None,
+                       device, tab)
+        return cls(slots, pos0, read, write0, T, record, None, None, None, None, None, None, None, False, None, None,
+                   None, list(lens) if lens is not None and min(lens) < T else None, None, device,
+                   rope_table(cfg, max(pos0) + T, device, dtype))
+
+    def _index(self) -> None:
+        """N host rows: the index tensors and the gathered RoPE rows, once."""
+        assert self.slots is not None and self.pos0 is not None and self.rope_tab is not None
+        N, T, dev = len(self.slots), self.T, self.device
+        ar = torch.arange(T, device=dev)
+        slot_t = torch.tensor(self.slots, device=dev)
+        positions = torch.tensor(self.pos0, device=dev)[:, None] + ar  # [N, T]
+        write_t = torch.tensor(self.write0, device=dev)
+        self._slot_t, self._read_t = slot_t, torch.tensor(self.read, device=dev)
+        self._write_t = write_t[:, None] + ar if self.record else write_t  # [N, T] or [N]
+        self._kv_slot, self._kv_pos = slot_t.repeat_interleave(T), positions.reshape(N * T)
+        self._rope = (self.rope_tab[0][positions], self.rope_tab[1][positions])  # [N, T, R] each
+
+    slot_t = _Lazy()  # [N] long: each row's pool slot (None for one host row)
+    read_t = _Lazy()  # [N] long: each row's read window slot (kernel path: its live slot)
+    write_t = _Lazy()  # [N, T] long with record (the window slot after each token), else [N]
+    kv_slot = _Lazy()  # [N*T] long: the pool slot of each new token (row-major)
+    kv_pos = _Lazy()  # [N*T] long: its position
+
+    @property
+    def rope(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [N, T, R]: each token's RoPE row."""
+        if self._rope is None:
+            self._index()
+        assert self._rope is not None
+        return self._rope
+
+    @property
+    def lens_t(self) -> torch.Tensor | None:
+        """[N] long: `lens` as a tensor (None when lens is None)."""
+        if self._lens_t is None and self.lens is not None:
+            self._lens_t = torch.tensor(self.lens, device=self.device)
+        return self._lens_t
 
     @property
     def cpu_kernels(self) -> bool:
@@ -236,7 +285,7 @@ class FwdCtx:
         """N-row host forwards: positions :S of the rows' slots of a pool tensor [slots, capacity, ...] ->
         [N, S, ...]; a view when the slots are consecutive and ascending (the usual case: slots are handed out
         in order), else a gather."""
-        assert self.slots is not None and self.slot_t is not None
+        assert self.slots is not None and len(self.slots) > 1
         if self._consecutive is None:  # decided once per forward, for all of its attention layers
             lo = self.slots[0]
             self._consecutive = self.slots == list(range(lo, lo + len(self.slots)))
@@ -317,8 +366,9 @@ class GatedAttention(nn.Module):
             qkv = linear(x, self._w_qkv, ctx)  # [N, T, nq + 2 nk]
             if ctx is not None and kv is not None and ctx.cpu_kernels and cpu.takes(qkv):  # the fused C step
                 assert ctx.slots is not None and ctx.pos0 is not None
+                rope = ctx.rope_tab if ctx.rope_tab is not None else ctx.rope  # the table: rows by position
                 o = cpu.attn_step(qkv, one_plus(self.q_norm.weight, qkv.dtype), one_plus(self.k_norm.weight, qkv.dtype),
-                                  self.q_norm.eps, *ctx.rope, kv.k, kv.v, ctx.slots, ctx.pos0, self.nh, self.nkv,
+                                  self.q_norm.eps, *rope, kv.k, kv.v, ctx.slots, ctx.pos0, self.nh, self.nkv,
                                   self.hd, self.hd ** -0.5)  # [N, T, nh*hd]
                 return linear(o, self.o_proj.weight, ctx)
             qg, k, v = qkv.split([nq, nk, nk], dim=-1)

@@ -137,8 +137,8 @@ def _build() -> ctypes.CDLL | None:
                    ctypes.c_float, ctypes.c_float, i64, i64, i64, i64, i64, i64, i64, ptr, ptr]
     fn.restype = ctypes.c_int
     fn = lib.nextn_attn_step_f32
-    fn.argtypes = [i64, i64, ptr, i64, ptr, ptr, ctypes.c_float, ptr, ptr, i64, ptr, ptr, i64, ptr, ptr, i64, i64,
-                   i64, ctypes.c_float, ptr]
+    fn.argtypes = [i64, i64, ptr, i64, ptr, ptr, ctypes.c_float, ptr, ptr, i64, i64, ptr, ptr, i64, ptr, ptr, i64,
+                   i64, i64, ctypes.c_float, ptr]
     fn.restype = ctypes.c_int
     fn = lib.nextn_rms_norm_f32
     fn.argtypes = [i64, i64, ptr, i64, ptr, ctypes.c_float, ptr]
@@ -329,9 +329,10 @@ def attn_step(qkv: torch.Tensor, q_w1: torch.Tensor, k_w1: torch.Tensor, eps: fl
               sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: list[int], pos0: list[int],
               nh: int, nkv: int, hd: int, scale: float) -> torch.Tensor:
     """The gated attention token step of N rows x T tokens (cpu_attn.c), from the fused projection's output to
-    o_proj's input: q / k RMSNorm (q_w1, k_w1 = 1 + their weights, [hd]), RoPE on the first R dims (cos, sin
-    [N, T, R]), K / V written at positions pos0[i].. of pool slot slots[i], causal attention of each row over its
-    own cached keys, times sigmoid(gate).
+    o_proj's input: q / k RMSNorm (q_w1, k_w1 = 1 + their weights, [hd]), RoPE on the first R dims, K / V
+    written at positions pos0[i].. of pool slot slots[i], causal attention of each row over its own cached keys,
+    times sigmoid(gate). cos, sin: each token's RoPE row [N, T, R], or a table [L', R] of rows by position (token
+    t of row i takes row pos0[i] + t; L' > max(pos0) + T - 1; `rope_table`'s, as a step forward passes it).
 
     qkv [N, T, 2 nh hd + 2 nkv hd] fp32 (q|gate per head, then k, then v; last dim contiguous); k_cache, v_cache
     [S, L, nkv, hd] fp32 (each slot contiguous). Returns [N, T, nh * hd] fp32."""
@@ -340,10 +341,12 @@ def attn_step(qkv: torch.Tensor, q_w1: torch.Tensor, k_w1: torch.Tensor, eps: fl
     S, L = k_cache.shape[:2]
     R = cos.shape[-1]
     f32 = torch.float32
+    by_pos = cos.dim() == 2
     if not (qkv.dtype == k_cache.dtype == v_cache.dtype == cos.dtype == sin.dtype == q_w1.dtype == k_w1.dtype
             == f32 and P == 2 * nh * hd + 2 * nkv * hd and nkv >= 1 and nh % nkv == 0
             and k_cache.shape == v_cache.shape == (S, L, nkv, hd) and k_cache.stride() == v_cache.stride()
-            and k_cache.stride()[1:] == (nkv * hd, hd, 1) and cos.shape == sin.shape == (N, T, R)
+            and k_cache.stride()[1:] == (nkv * hd, hd, 1) and cos.shape == sin.shape
+            and (by_pos or cos.shape == (N, T, R))
             and 0 <= R <= hd and R % 2 == 0 and q_w1.shape == k_w1.shape == (hd,)
             and q_w1.stride() == k_w1.stride() == (1,)):
         raise ValueError("attn_step: inconsistent shapes, dtypes or layouts (see its docstring)")
@@ -352,12 +355,15 @@ def attn_step(qkv: torch.Tensor, q_w1: torch.Tensor, k_w1: torch.Tensor, eps: fl
     for s_, p_ in zip(slots, pos0):
         if not (0 <= s_ < S and 0 <= p_ and p_ + T <= L):
             raise IndexError(f"pool slot {s_} / positions {p_}..{p_ + T - 1} outside [{S}, {L}]")
+        if by_pos and p_ + T > cos.shape[0]:
+            raise IndexError(f"positions {p_}..{p_ + T - 1} outside the RoPE table's {cos.shape[0]} rows")
     qkv, pitch = _rows(qkv)
-    cos, sin = cos.contiguous(), sin.contiguous()  # (contiguous: row r of the flattened [N*T, R] at r * R)
+    cos, sin = cos.contiguous(), sin.contiguous()  # (contiguous: row r of the flattened [rows, R] at r * R)
     out = torch.empty(N, T, nh * hd, dtype=f32)
     rc = lib.nextn_attn_step_f32(N, T, qkv.data_ptr(), pitch, q_w1.data_ptr(), k_w1.data_ptr(), eps,
-                                 cos.data_ptr(), sin.data_ptr(), R, k_cache.data_ptr(), v_cache.data_ptr(),
-                                 k_cache.stride(0), _i64s(slots), _i64s(pos0), nh, nkv, hd, scale, out.data_ptr())
+                                 cos.data_ptr(), sin.data_ptr(), R, int(by_pos), k_cache.data_ptr(),
+                                 v_cache.data_ptr(), k_cache.stride(0), _i64s(slots), _i64s(pos0), nh, nkv, hd, scale,
+                                 out.data_ptr())
     if rc:
         raise RuntimeError(f"CPU attention kernel failed (code {rc})")
     return out

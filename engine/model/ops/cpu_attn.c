@@ -5,7 +5,8 @@
  * nextn_attn_step_f32, per row i and token t (t = 0..T-1, in order), from the fused q|gate, k, v projection to
  * the gated attention output (o_proj's input):
  *   q, k:  per head, x * rsqrt(mean(x^2) + eps) * w1 (w1 = 1 + weight, from the caller); then NeoX RoPE on the
- *          first R dims: x[j] * cos[j] + rot[j] * sin[j], rot = (-x[R/2..R-1], x[0..R/2-1])
+ *          first R dims: x[j] * cos[j] + rot[j] * sin[j], rot = (-x[R/2..R-1], x[0..R/2-1]); cos / sin are the
+ *          token's row (i * T + t) of per-token rows, or with by_pos row pos0[i] + t of a table by position
  *   cache: k and v of token t go to position pos0[i] + t of pool slot slots[i]
  *   attn:  query head h reads kv head h / (nh / nkv) over positions 0..pos0[i] + t: s_j = (q . k_j) * scale,
  *          p = softmax(s), o = sum_j p_j v_j
@@ -116,7 +117,7 @@ static inline void rms_rope_(const float *x, const float *w1, float eps, int64_t
 }
 
 typedef struct {
-    int64_t T, qkv_row, R, cache_slot, nh, nkv, hd;
+    int64_t T, qkv_row, R, by_pos, cache_slot, nh, nkv, hd;
     const float *qkv, *qw1, *kw1, *cos, *sin;
     float *kc, *vc, *out, eps, scale;
     const int64_t *slots, *pos0;
@@ -137,7 +138,8 @@ static void attn_row_(void *arg, int64_t i) {
     float *ks = J->kc + J->slots[i] * J->cache_slot, *vs = J->vc + J->slots[i] * J->cache_slot;
     for (int64_t t = 0; t < T; t++) {
         const int64_t row = i * T + t, pos = J->pos0[i] + t;
-        const float *x = J->qkv + row * J->qkv_row, *c = J->cos + row * R, *s = J->sin + row * R;
+        const int64_t rr = J->by_pos ? pos : row;  /* the RoPE row: by position (a table) or by token */
+        const float *x = J->qkv + row * J->qkv_row, *c = J->cos + rr * R, *s = J->sin + rr * R;
         for (int64_t h = 0; h < nkv; h++) {
             rms_rope_(x + 2 * nh * hd + h * hd, J->kw1, eps, hd, c, s, R, ks + pos * kd + h * hd);
             memcpy(vs + pos * kd + h * hd, x + 2 * nh * hd + kd + h * hd, sizeof(float) * (size_t)hd);
@@ -159,14 +161,14 @@ static void attn_row_(void *arg, int64_t i) {
 }
 
 int nextn_attn_step_f32(int64_t N, int64_t T, const float *qkv, int64_t qkv_row, const float *qw1,
-                        const float *kw1, float eps, const float *cos, const float *sin, int64_t R, float *kc,
-                        float *vc, int64_t cache_slot, const int64_t *slots, const int64_t *pos0, int64_t nh,
-                        int64_t nkv, int64_t hd, float scale, float *out) {
+                        const float *kw1, float eps, const float *cos, const float *sin, int64_t R, int64_t by_pos,
+                        float *kc, float *vc, int64_t cache_slot, const int64_t *slots, const int64_t *pos0,
+                        int64_t nh, int64_t nkv, int64_t hd, float scale, float *out) {
     if (nkv < 1 || nh % nkv != 0 || R < 0 || R > hd || R % 2) return 1;
     int64_t smax = 0;
     for (int64_t i = 0; i < N; i++) smax = pos0[i] + T > smax ? pos0[i] + T : smax;
-    attn_job_ j = {T, qkv_row, R, cache_slot, nh, nkv, hd, qkv, qw1, kw1, cos, sin, kc, vc, out, eps, scale, slots,
-                   pos0, 0};
+    attn_job_ j = {T, qkv_row, R, by_pos != 0, cache_slot, nh, nkv, hd, qkv, qw1, kw1, cos, sin, kc, vc, out, eps,
+                   scale, slots, pos0, 0};
     nextn_par_(attn_row_, &j, N, N * T * nh * hd * 2 * smax);  /* rows are independent (distinct pool slots) */
     return j.err;
 }

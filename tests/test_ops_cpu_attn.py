@@ -137,6 +137,33 @@ def test_attention_step_reads_rope_rows_by_position_from_a_table_bitwise():
         cpu.attn_step(qkv, *args, cos[:18], sin[:18], _pool(cfg, 3).k, _pool(cfg, 3).v, slots, pos0, *heads)
 
 
+def test_a_keys_score_has_the_same_bits_whichever_loop_computes_it():
+    """The kernel scores keys eight at a time (one vector of trees), then four, then one by one; the same key
+    must get the same score bits in each. Keys 0 (eight-key loop), 8 (four-key loop) and 12 (one by one) of a query
+    at position 13 hold the same K; V is e_0, e_1, e_2 there and 0 elsewhere, the gate 0 (sigmoid: exactly 1/2), so
+    output dims 0, 1, 2 are those three keys' softmax weights times 1/2, bit for bit."""
+    att, cfg = _layer(16, 0.25, seed=11)
+    kv = _pool(cfg, 6)
+    slot, pos = 2, 13
+    for p_ in (8, 12):
+        kv.k[slot, p_] = kv.k[slot, 0]
+    kv.v[slot] = 0.0
+    for d, p_ in enumerate((0, 8, 12)):
+        kv.v[slot, p_, :, d] = 1.0
+    qkv = torch.randn(1, 1, att._w_qkv.shape[0], generator=torch.Generator().manual_seed(3))
+    nq = 2 * att.nh * att.hd
+    for h in range(att.nh):
+        qkv[..., h * 2 * att.hd + att.hd:(h + 1) * 2 * att.hd] = 0.0  # the gate
+    qkv[..., nq + att.nkv * att.hd:] = 0.0  # the new token's V
+    cos, sin = FwdCtx.make(cfg, "cpu", torch.float32, [slot], [pos], [0], [0], 1, True).rope_tab
+    w1 = one_plus(att.q_norm.weight, torch.float32)
+    y = cpu.attn_step(qkv, w1, one_plus(att.k_norm.weight, torch.float32), att.q_norm.eps, cos, sin, kv.k, kv.v,
+                      [slot], [pos], att.nh, att.nkv, att.hd, att.hd ** -0.5).view(att.nh, att.hd)
+    assert (y[:, :3] > 0).all()
+    for h in range(att.nh):
+        assert y[h, 0].item() == y[h, 1].item() == y[h, 2].item(), (h, y[h, :3].tolist())
+
+
 def test_a_step_forward_on_the_c_kernels_builds_no_index_tensors():
     """An N-row context's index tensors and gathered RoPE rows are built on first use, as they were eagerly
     (same values); a step forward whose layers all run the C kernels reads only host lists and the table."""

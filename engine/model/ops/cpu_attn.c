@@ -34,13 +34,44 @@ static inline float dot_(const float *a, const float *b, int64_t n) {
     return hsum8_(acc);
 }
 
+/* lanes of a | b (0-7: a's, 8-15: b's) as one eight-lane vector */
+#if defined(__clang__) || __GNUC__ >= 12
+#define SHUF8_(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUF8_(a, b, ...) __builtin_shuffle(a, b, (v8i){__VA_ARGS__})
+#endif
+
+/* hsum8_ of eight accumulators at once, lane j holding a[j]'s sum: the same additions of the same operands, the
+ * lanes of several accumulators side by side (x_q = l_q + l_(q+4), then x0 + x2 and x1 + x3, then their sum) */
+static inline v8 hsum8x8_(const v8 *a) {
+    v8 s[4], t[2];
+    for (int e = 0; e < 4; e++)  /* [a(2e)'s x0..x3 | a(2e+1)'s x0..x3] */
+        s[e] = SHUF8_(a[2 * e], a[2 * e + 1], 0, 1, 2, 3, 8, 9, 10, 11)
+             + SHUF8_(a[2 * e], a[2 * e + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+    for (int f = 0; f < 2; f++)  /* x0 + x2, x1 + x3 of a(4f), a(4f+2), a(4f+1), a(4f+3), in that order */
+        t[f] = SHUF8_(s[2 * f], s[2 * f + 1], 0, 1, 8, 9, 4, 5, 12, 13)
+             + SHUF8_(s[2 * f], s[2 * f + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+    const v8 u = SHUF8_(t[0], t[1], 0, 2, 8, 10, 4, 6, 12, 14)
+               + SHUF8_(t[0], t[1], 1, 3, 9, 11, 5, 7, 13, 15);  /* the sums of a0 a2 a4 a6 a1 a3 a5 a7 */
+    return SHUF8_(u, u, 0, 4, 1, 5, 2, 6, 3, 7);
+}
+
 /* o = softmax(scale * q . k_j) . v_j over keys j < n of one kv head (rows kd floats apart); p: n floats of
  * scratch. Sums run over j ascending in eight lanes (lane l takes j = l mod 8) then a fixed tree; the score of
  * key j is dot_(q, k_j) whichever loop computes it. */
 static void attend_(const float *q, const float *k, const float *v, int64_t kd, int64_t n, int64_t hd, float scale,
                     float *p, float *o) {
     int64_t j = 0;
-    if (hd % 8 == 0) {  /* four keys at a time: the same per-key sums as dot_, with independent chains */
+    if (hd % 8 == 0) {  /* eight, then four keys at a time: the same per-key sums as dot_, independent chains */
+        for (; j + 8 <= n; j += 8) {  /* the eight trees in one vector (hsum8x8_), the scores stored at once */
+            v8 a[8];
+            for (int e = 0; e < 8; e++) a[e] = splat8_(0.0f);
+            for (int64_t d = 0; d < hd; d += 8) {
+                const v8 qv = ld8_(q + d);
+                for (int e = 0; e < 8; e++) a[e] = a[e] + qv * ld8_(k + (j + e) * kd + d);
+            }
+            st8_(p + j, hsum8x8_(a) * scale);
+        }
         for (; j + 4 <= n; j += 4) {
             const float *k0 = k + j * kd, *k1 = k0 + kd, *k2 = k1 + kd, *k3 = k2 + kd;
             v8 a0 = {0, 0, 0, 0, 0, 0, 0, 0}, a1 = a0, a2 = a0, a3 = a0;

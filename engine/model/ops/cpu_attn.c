@@ -89,8 +89,17 @@ static void attend_(const float *q, const float *k, const float *v, int64_t kd, 
         }
     }
     for (; j < n; j++) p[j] = dot_(q, k + j * kd, hd) * scale;
+    /* the max, in eight lanes then across them: the same value as one pass in order (a max of the same numbers;
+     * only the sign of a zero maximum may differ, which changes no p[j] - m) */
+    v8 mv = splat8_(-INFINITY);
+    for (j = 0; j + 8 <= n; j += 8) {
+        const v8 x = ld8_(p + j);
+        const v8i gt = x > mv;  /* x > mv ? x : mv, lane by lane (a NaN is never taken, as below) */
+        mv = (v8)(((v8i)x & gt) | ((v8i)mv & ~gt));
+    }
     float m = -INFINITY;
-    for (j = 0; j < n; j++) m = p[j] > m ? p[j] : m;  /* a max does not depend on the order */
+    for (int l = 0; l < 8; l++) m = mv[l] > m ? mv[l] : m;
+    for (; j < n; j++) m = p[j] > m ? p[j] : m;
     v8 acc = {0, 0, 0, 0, 0, 0, 0, 0};
     for (j = 0; j + 8 <= n; j += 8) {
         const v8 e = exp8_(ld8_(p + j) - m);
@@ -107,6 +116,23 @@ static void attend_(const float *q, const float *k, const float *v, int64_t kd, 
     const float inv = 1.0f / hsum8_(acc);
     for (j = 0; j < n; j++) p[j] = p[j] * inv;
     int64_t d = 0;
+    for (; d + 16 <= hd; d += 16) {  /* as below, for o[d..d+15] in one pass over the keys (c[e][u]: chain e of the
+                                      * u-th eight dims) */
+        v8 c[4][2];
+        for (int e = 0; e < 4; e++) c[e][0] = c[e][1] = splat8_(0.0f);
+        for (j = 0; j + 4 <= n; j += 4)
+            for (int e = 0; e < 4; e++) {
+                const float pe = p[j + e], *vr = v + (j + e) * kd + d;
+                c[e][0] = c[e][0] + pe * ld8_(vr);
+                c[e][1] = c[e][1] + pe * ld8_(vr + 8);
+            }
+        for (int e = 0; j + e < n; e++) {  /* e < 3 */
+            const float pe = p[j + e], *vr = v + (j + e) * kd + d;
+            c[e][0] = c[e][0] + pe * ld8_(vr);
+            c[e][1] = c[e][1] + pe * ld8_(vr + 8);
+        }
+        for (int u = 0; u < 2; u++) st8_(o + d + 8 * u, (c[0][u] + c[1][u]) + (c[2][u] + c[3][u]));
+    }
     for (; d + 8 <= hd; d += 8) {  /* o[d..d+7] = sum_j p_j v_j: four chains (j mod 4), then (c0 + c1) + (c2 + c3) */
         v8 c0 = {0, 0, 0, 0, 0, 0, 0, 0}, c1 = c0, c2 = c0, c3 = c0;
         const float *vd = v + d;

@@ -179,7 +179,7 @@ class FwdCtx:
 
     An N-row host context builds its index tensors and gathered RoPE rows (`slot_t`, `read_t`, `write_t`,
     `kv_slot`, `kv_pos`, `rope`, `lens_t`) when the torch path first reads one: a step forward that runs
-    ops/cpu.py's C kernels reads only the host lists and `rope_tab`, so it builds none (~55 us a context at N = 8
+    ops/cpu.py's C kernels reads only the host lists and `rope_tab`, so it builds none (~64 us a context at N = 8
     on the CPU box, four contexts a round).
 
     `from_tensors` builds the kernel path's step context instead: device tensors only (the host lists are None),
@@ -221,11 +221,10 @@ class FwdCtx:
             p0 = pos0[0]
             tab = cos, sin = rope_table(cfg, p0 + T, device, dtype)
             return cls(slots, pos0, read, write0, T, record, None, None, None, None, None,
-                       (cos[None, p0:p0 + T], sin[None, p0:p0 + T]), None, False, None, None, None, None, None,
-                       device, tab)
-        return cls(slots, pos0, read, write0, T, record, None, None, None, None, None, None, None, False, None, None,
-                   None, list(lens) if lens is not None and min(lens) < T else None, None, device,
-                   rope_table(cfg, max(pos0) + T, device, dtype))
+                       (cos[None, p0:p0 + T], sin[None, p0:p0 + T]), device=device, rope_tab=tab)
+        return cls(slots, pos0, read, write0, T, record, None, None, None, None, None, None,
+                   lens=list(lens) if lens is not None and min(lens) < T else None, device=device,
+                   rope_tab=rope_table(cfg, max(pos0) + T, device, dtype))
 
     def _index(self) -> None:
         """N host rows: the index tensors and the gathered RoPE rows, once."""
@@ -365,10 +364,9 @@ class GatedAttention(nn.Module):
         if self._w_qkv is not None:
             qkv = linear(x, self._w_qkv, ctx)  # [N, T, nq + 2 nk]
             if ctx is not None and kv is not None and ctx.cpu_kernels and cpu.takes(qkv):  # the fused C step
-                assert ctx.slots is not None and ctx.pos0 is not None
-                rope = ctx.rope_tab if ctx.rope_tab is not None else ctx.rope  # the table: rows by position
+                assert ctx.slots is not None and ctx.pos0 is not None and ctx.rope_tab is not None  # a host context
                 o = cpu.attn_step(qkv, one_plus(self.q_norm.weight, qkv.dtype), one_plus(self.k_norm.weight, qkv.dtype),
-                                  self.q_norm.eps, *rope, kv.k, kv.v, ctx.slots, ctx.pos0, self.nh, self.nkv,
+                                  self.q_norm.eps, *ctx.rope_tab, kv.k, kv.v, ctx.slots, ctx.pos0, self.nh, self.nkv,
                                   self.hd, self.hd ** -0.5)  # [N, T, nh*hd]
                 return linear(o, self.o_proj.weight, ctx)
             qg, k, v = qkv.split([nq, nk, nk], dim=-1)

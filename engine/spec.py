@@ -66,11 +66,10 @@ class SpecTelemetry:
 
     def delta_since(self, prev: "SpecTelemetry") -> "SpecTelemetry":
         """Fieldwise saturating self - prev (never negative)."""
-        sub = lambda a, b: max(a - b, 0)  # noqa: E731
-        return SpecTelemetry(sub(self.rounds, prev.rounds), sub(self.drafted, prev.drafted),
-                             sub(self.accepted, prev.accepted),
-                             [sub(a, b) for a, b in zip(self.pos_drafted, prev.pos_drafted)],
-                             [sub(a, b) for a, b in zip(self.pos_accepted, prev.pos_accepted)])
+        return SpecTelemetry(max(self.rounds - prev.rounds, 0), max(self.drafted - prev.drafted, 0),
+                             max(self.accepted - prev.accepted, 0),
+                             [a - b if a > b else 0 for a, b in zip(self.pos_drafted, prev.pos_drafted)],
+                             [a - b if a > b else 0 for a, b in zip(self.pos_accepted, prev.pos_accepted)])
 
     def merge(self, d: "SpecTelemetry") -> None:
         """Fieldwise += d."""

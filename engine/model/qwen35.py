@@ -150,8 +150,9 @@ def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
 
 
 class _Lazy:
-    """A `FwdCtx` index tensor (stored as `_<name>`): an N-row host context builds it, with the others, on first
-    read (`FwdCtx._index`); one host row has none (None); a kernel-path context was given it."""
+    """A `FwdCtx` index tensor or the RoPE rows (stored as `_<name>`): an N-row host context builds it, with the
+    others, on first read (`FwdCtx._index`); one host row has no index tensors (None); a kernel-path context was
+    given it."""
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.attr = "_" + name
@@ -244,14 +245,7 @@ class FwdCtx:
     write_t = _Lazy()  # [N, T] long with record (the window slot after each token), else [N]
     kv_slot = _Lazy()  # [N*T] long: the pool slot of each new token (row-major)
     kv_pos = _Lazy()  # [N*T] long: its position
-
-    @property
-    def rope(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [N, T, R]: each token's RoPE row."""
-        if self._rope is None:
-            self._index()
-        assert self._rope is not None
-        return self._rope
+    rope = _Lazy()  # cos, sin [N, T, R]: each token's RoPE row (set for one host row and the kernel path)
 
     @property
     def lens_t(self) -> torch.Tensor | None:

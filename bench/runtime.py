@@ -16,10 +16,13 @@ servers and the engine alone; the transformers comparison keeps one thread on bo
 measurements are interleaved: every server stays up for the whole run and each repetition takes every figure
 once, in turn, so load from other processes hits numerator and denominator alike; each figure is the best of the
 repetitions, and each ratio is given twice: the ratio of the bests, and the median (with the range) of the
-repetitions' own ratios, whose two terms were measured a minute apart (the steadier reading on a noisy box). The
-load average is printed with the figures.
+repetitions' own ratios, whose two terms were measured a minute apart (the steadier reading on a noisy box), with a
+90% confidence interval for that median (distribution-free: two order statistics of the pairs, `median_ci`), so a
+figure that straddles its goal reads as one. The load average is printed with the figures; --raw writes every
+repetition's tokens/s as JSON (runs can then be pooled).
 
     .venv/bin/python bench/runtime.py [--tokens 128] [--repeat 3] [--device cpu|cuda] [--cpu-kernel-threads 1|2]
+                                      [--raw runs.json]
 
 --device cuda runs the servers, the engine and the transformers peer on the GPU (the servers need nextn's
 serving dependencies there: fastapi, uvicorn, pydantic, prometheus-client, llguidance, jinja2, httpx).
@@ -30,6 +33,7 @@ import argparse
 import asyncio
 import cProfile
 import json
+import math
 import os
 import pstats
 import statistics
@@ -256,12 +260,25 @@ def profile_round(model, prompts: list[list[int]], n: int, k: int) -> str:
     return f"{total:.2f} s in spec_round: " + ", ".join(rows)
 
 
+def median_ci(xs: list[float], level: float = 0.90) -> tuple[float, float]:
+    """A confidence interval for the median of the distribution `xs` was drawn from, at least `level`, assuming
+    nothing of its shape: the order statistics x_(j) and x_(n+1-j) for the largest j with
+    P(Binomial(n, 1/2) < j) <= (1 - level) / 2. With too few samples for any such j, the whole range."""
+    s, n = sorted(xs), len(xs)
+    tail, j = 0.0, 0
+    while j < n and tail + math.comb(n, j) / 2 ** n <= (1 - level) / 2:
+        tail += math.comb(n, j) / 2 ** n
+        j += 1
+    return (s[j - 1], s[n - j]) if j else (s[0], s[-1])
+
+
 def _ratio(runs: dict[str, list[float]], num: str, den: str) -> str:
-    """num / den as the ratio of the bests, and the median (and range) of the per-repetition ratios: one
-    repetition measures both within a minute or so, so a pair shares the box's state of the moment."""
+    """num / den as the ratio of the bests, and the median (its 90% interval, the range) of the per-repetition
+    ratios: one repetition measures both within a minute or so, so a pair shares the box's state of the moment."""
     pairs = sorted(a / b for a, b in zip(runs[num], runs[den]))
+    lo, hi = median_ci(pairs)
     return (f"{max(runs[num]) / max(runs[den]):.2f}x (bests); median of {len(pairs)} pairs "
-            f"{statistics.median(pairs):.2f}x ({pairs[0]:.2f}-{pairs[-1]:.2f})")
+            f"{statistics.median(pairs):.2f}x (90% CI {lo:.2f}-{hi:.2f}; range {pairs[0]:.2f}-{pairs[-1]:.2f})")
 
 
 def main() -> int:
@@ -273,6 +290,7 @@ def main() -> int:
     ap.add_argument("--cpu-kernel-threads", type=int, default=min(2, usable_cores()), choices=[1, 2],
                     help="the C kernels' threads in the demo's servers and the engine alone (default: as nextn "
                          "serve's, min(2, usable cores))")
+    ap.add_argument("--raw", type=Path, help="write every repetition's tokens/s here (JSON: figure -> list)")
     args = ap.parse_args()
     dev = args.device
     torch.set_num_threads(1)
@@ -312,6 +330,8 @@ def main() -> int:
         for srv in servers.values():
             srv.close()
     load1 = os.getloadavg()
+    if args.raw is not None:
+        args.raw.write_text(json.dumps({"tokens": n, "repeat": rep, "device": dev, "runs": runs}, indent=1))
     f = {key: max(v) for key, v in runs.items()}
     flag = (" --no-cpu-kernel" if args.no_cpu_kernel else "") + f" --cpu-kernel-threads {args.cpu_kernel_threads}"
     out = [f"`.venv/bin/python bench/runtime.py --tokens {n} --repeat {rep} --device {dev}{flag}` (demo model, "

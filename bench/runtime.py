@@ -42,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -107,46 +108,77 @@ def hidden256_checkpoint(path: Path) -> Path:
                            linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64)
 
 
-class _Conn:
-    """The load generator's HTTP/1.1 keep-alive connection, reading a streamed completion with asyncio streams
-    alone. On this box the clients share the two vCPUs with the server, so what the client spends per chunk is
-    taken from the server's second vCPU (the C kernels' helper thread runs there): httpx spent ~80 ms of CPU per run
-    of 8 streams of 128 tokens (h11, anyio, async generators per chunk), ~25% of that vCPU; `_Conn` spends ~20 ms
-    (bench/RESULTS.md)."""
+class _Conn(asyncio.Protocol):
+    """The load generator's HTTP/1.1 keep-alive connection, a bare `asyncio.Protocol`. On this box the clients
+    share the two vCPUs with the server, so what a client spends per chunk is taken from the server (the C kernels'
+    helper thread and the HTTP process run on the second vCPU): httpx spent ~80 ms of CPU per run of 8 streams of
+    128 tokens (h11, anyio, async generators per chunk), ~25% of that vCPU; a reader on asyncio streams that parsed
+    each event as it came ~20 ms (bench/RESULTS.md). This one only keeps each chunk's bytes as they arrive and
+    parses the response after it has ended (`_tokens`: the same checks of status, coding and token count)."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str) -> None:
-        self.reader, self.writer, self.host = reader, writer, host
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.host = ""
+        self.buf = bytearray()
+        self.ended: asyncio.Future[None] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        # a chunked response ends with the last chunk's CRLF and the zero-size chunk; any other answer is an error,
+        # complete enough once its status line is in (`_tokens` reports it)
+        if self.ended is not None and not self.ended.done() and (
+                self.buf.endswith(b"\r\n0\r\n\r\n")
+                or (len(self.buf) >= 12 and not self.buf.startswith(b"HTTP/1.1 200"))):
+            self.ended.set_result(None)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.ended is not None and not self.ended.done():
+            self.ended.set_exception(exc or ConnectionError("the server closed the connection"))
 
     @classmethod
     async def open(cls, url: str) -> _Conn:
         u = httpx.URL(url)
-        reader, writer = await asyncio.open_connection(u.host, u.port)
-        return cls(reader, writer, u.host)
+        _, conn = await asyncio.get_running_loop().create_connection(cls, u.host, u.port)
+        conn.host = u.host
+        return conn
 
-    async def stream(self, model: str, prompt: list[int], n: int) -> int:
-        """POST a streamed greedy completion of exactly n tokens (ignore_eos); returns the tokens received."""
+    async def stream(self, model: str, prompt: list[int], n: int) -> bytes:
+        """POST a streamed greedy completion of exactly n tokens (ignore_eos); returns the raw response once it
+        has ended."""
+        assert self.transport is not None
         body = json.dumps({"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
                            "stream": True, "return_token_ids": True}).encode()
-        self.writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
-                          b"Content-Length: %d\r\n\r\n%s" % (self.host.encode(), len(body), body))
-        status = await self.reader.readline()
-        if not status.startswith(b"HTTP/1.1 200"):
-            raise RuntimeError(f"the server answered {status!r}")
-        while (line := await self.reader.readline()) != b"\r\n":
-            if line.lower().startswith(b"transfer-encoding:") and b"chunked" not in line.lower():
-                raise RuntimeError("expected a chunked stream")
-        got, buf = 0, b""
-        while size := int((await self.reader.readline()).split(b";")[0], 16):  # chunked transfer coding
-            buf += (await self.reader.readexactly(size + 2))[:-2]
-            *events, buf = buf.split(b"\n\n")
-            for ev in events:
-                if ev.startswith(b"data: {"):
-                    got += len(json.loads(ev[6:])["choices"][0].get("token_ids") or [])
-        await self.reader.readline()  # the last chunk's CRLF
-        return got
+        self.buf, self.ended = bytearray(), asyncio.get_running_loop().create_future()
+        self.transport.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (self.host.encode(), len(body), body))
+        await asyncio.wait_for(self.ended, 600)  # (a 200 that is not a chunked stream would never end)
+        return bytes(self.buf)
 
     def close(self) -> None:
-        self.writer.close()
+        if self.transport is not None:
+            self.transport.close()
+
+
+def _tokens(raw: bytes) -> int:
+    """The number of token ids a streamed completion response carries (HTTP/1.1 200, chunked, SSE events)."""
+    head, _, body = raw.partition(b"\r\n\r\n")
+    status, *headers = head.split(b"\r\n")
+    if not status.startswith(b"HTTP/1.1 200"):
+        raise RuntimeError(f"the server answered {status!r}")
+    if not any(h.lower().startswith(b"transfer-encoding:") and b"chunked" in h.lower() for h in headers):
+        raise RuntimeError("expected a chunked stream")
+    data, pos = bytearray(), 0
+    while size := int(body[pos:(eol := body.index(b"\r\n", pos))].split(b";")[0], 16):  # chunked transfer coding
+        data += body[eol + 2:eol + 2 + size]
+        pos = eol + 2 + size + 2
+    got = 0
+    for ev in bytes(data).split(b"\n\n"):
+        if ev.startswith(b"data: {"):
+            got += len(json.loads(ev[6:])["choices"][0].get("token_ids") or [])
+    return got
 
 
 def _clients_once(url: str, model: str, prompts: list[list[int]], n: int) -> float:
@@ -157,15 +189,27 @@ def _clients_once(url: str, model: str, prompts: list[list[int]], n: int) -> flo
         conns = await asyncio.gather(*[_Conn.open(url) for _ in prompts])
         try:
             t0 = time.perf_counter()
-            toks = await asyncio.gather(*[c.stream(model, p, n) for c, p in zip(conns, prompts)])
+            raws = await asyncio.gather(*[c.stream(model, p, n) for c, p in zip(conns, prompts)])
             dt = time.perf_counter() - t0
         finally:
             for c in conns:
                 c.close()
+        toks = [_tokens(r) for r in raws]
         if any(t != n for t in toks):
             raise RuntimeError(f"a stream ended early: {toks} tokens of {n}")
         return sum(toks) / dt
-    return asyncio.run(once())
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        return runner.run(once())
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """The clients' event loop: uvloop, as the server's (a dependency of nextn; less CPU per chunk than asyncio's),
+    else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
 
 
 def _sync(model) -> None:

@@ -3,6 +3,8 @@ and at least the promised coverage (exact, by the binomial sum, and on samples).
 import math
 import random
 
+import pytest
+
 from bench.runtime import median_ci
 
 
@@ -26,3 +28,47 @@ def test_coverage_is_at_least_the_level():
     hits = sum(lo <= math.log(2) <= hi for lo, hi in
                (median_ci([rng.expovariate(1.0) for _ in range(25)]) for _ in range(2000)))
     assert hits / 2000 >= 0.88  # the exact coverage at n = 25 is 0.957; 2000 draws keep it well above 0.88
+
+
+def _chunked(events: list[bytes], cuts: list[int]) -> bytes:
+    """A 200 chunked SSE response carrying `events`, its body cut into chunks at byte offsets `cuts`."""
+    body = b"".join(events)
+    edges = [0, *cuts, len(body)]
+    chunks = b"".join(b"%x\r\n%s\r\n" % (b - a, body[a:b]) for a, b in zip(edges, edges[1:]) if b > a)
+    return (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+            + chunks + b"0\r\n\r\n")
+
+
+def test_the_clients_count_tokens_across_chunk_cuts():
+    from bench.runtime import _tokens
+
+    events = [b'data: {"choices":[{"index":0,"text":"a\\r\\n0","token_ids":[1,2,3]}]}\n\n',
+              b'data: {"choices":[{"index":0,"text":"","token_ids":[4]}]}\n\n',
+              b'data: {"choices":[{"index":0,"text":"b","token_ids":null,"finish_reason":"length"}]}\n\n',
+              b"data: [DONE]\n\n"]
+    assert _tokens(_chunked(events, [])) == 4
+    assert _tokens(_chunked(events, [3, 40, 41, 90, 150])) == 4  # events split over chunks, chunks over events
+    with pytest.raises(RuntimeError, match="answered"):
+        _tokens(b'HTTP/1.1 429 Too Many Requests\r\ncontent-length: 2\r\n\r\n{}')
+    with pytest.raises(RuntimeError, match="chunked"):
+        _tokens(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
+
+
+def test_the_clients_stream_ends_with_the_zero_chunk_or_an_error_status():
+    import asyncio
+
+    from bench.runtime import _Conn
+
+    async def feed(pieces: list[bytes]) -> list[bool]:
+        conn = _Conn()
+        conn.ended = asyncio.get_running_loop().create_future()
+        seen = []
+        for piece in pieces:
+            conn.data_received(piece)
+            seen.append(conn.ended.done())
+        return seen
+
+    raw = _chunked([b'data: {"choices":[{"token_ids":[1]}]}\n\n', b"data: [DONE]\n\n"], [10])
+    cut = len(raw) - 3  # the last piece completes the zero-size chunk
+    assert asyncio.run(feed([raw[:20], raw[20:cut], raw[cut:]])) == [False, False, True]
+    assert asyncio.run(feed([b"HTTP/1.1 5", b"03 Service Unavailable\r\n"])) == [False, True]

@@ -1,5 +1,5 @@
-"""bench/runtime.py's confidence interval for a median of pairs: the order statistics the binomial tails give,
-and at least the promised coverage (exact, by the binomial sum, and on samples)."""
+"""bench/runtime.py: its confidence interval for a median of pairs (the order statistics the binomial tails give,
+at least the promised coverage) and its load generator's reading of a streamed response (token count, end)."""
 import math
 import random
 

@@ -53,9 +53,8 @@ def error_response(err: APIError) -> JSONResponse:
     return JSONResponse(err.body().model_dump(), status_code=err.status, headers=err.headers)
 
 
-async def read_request(raw: Request, model: type[_M]) -> _M:
-    """Read the body (413 over MAX_BODY_BYTES; 408 if it takes longer than the app's `timeout_body`
-    seconds) and parse it into `model` in a worker thread (`parse_body`)."""
+async def read_body(raw: Request) -> bytes:
+    """Read the body (413 over MAX_BODY_BYTES; 408 if it takes longer than the app's `timeout_body` seconds)."""
     too_large = APIError(413, f"request body exceeds {MAX_BODY_BYTES} bytes", code="request_too_large",
                          headers={"Connection": "close"})
     if int(raw.headers.get("content-length") or 0) > MAX_BODY_BYTES:
@@ -71,7 +70,12 @@ async def read_request(raw: Request, model: type[_M]) -> _M:
     except TimeoutError:
         raise APIError(408, f"the request body was not received within {timeout:g} s", code="request_timeout",
                        headers={"Connection": "close"}) from None
-    return await asyncio.to_thread(parse_body, model, bytes(body))
+    return bytes(body)
+
+
+async def read_request(raw: Request, model: type[_M]) -> _M:
+    """`read_body`, then parse it into `model` in a worker thread (`parse_body`)."""
+    return await asyncio.to_thread(parse_body, model, await read_body(raw))
 
 
 def parse_body(model: type[_M], body: bytes) -> _M:
@@ -157,6 +161,17 @@ async def _relay(stream: SSEStream, watcher: asyncio.Future[None]) -> AsyncItera
         watcher.cancel()
         stream.cancel()
         await stream.body.aclose()  # type: ignore[attr-defined]
+
+
+async def _generate(raw: Request, serving: ServingChat | ServingCompletion | ServingResponses,
+                    model: type[p.ChatCompletionRequest] | type[p.CompletionRequest] | type[p.ResponsesRequest]
+                    ) -> Response:
+    """A generation route: read the body, then, counted as preparing by the server's `Admission` until its jobs
+    are submitted (requests that arrive together start together), parse it and respond."""
+    body = await read_body(raw)
+    with serving.admission.preparing():
+        req = await asyncio.to_thread(parse_body, model, body)
+        return await _respond(raw, serving.create(req))  # type: ignore[arg-type]
 
 
 async def _respond(raw: Request, work: Awaitable[BaseModel | SSEStream]) -> Response:
@@ -262,17 +277,13 @@ v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
 @v1.post("/chat/completions", summary="Create a chat completion",
          **_body_route(p.ChatCompletionRequest, p.ChatCompletionResponse, p.ChatCompletionChunk))
 async def create_chat_completion(raw: Request) -> Response:
-    req = await read_request(raw, p.ChatCompletionRequest)
-    serving: ServingChat = raw.app.state.serving_chat
-    return await _respond(raw, serving.create(req))
+    return await _generate(raw, raw.app.state.serving_chat, p.ChatCompletionRequest)
 
 
 @v1.post("/completions", summary="Create a completion (legacy)",
          **_body_route(p.CompletionRequest, p.CompletionResponse, p.CompletionResponse))
 async def create_completion(raw: Request) -> Response:
-    req = await read_request(raw, p.CompletionRequest)
-    serving: ServingCompletion = raw.app.state.serving_completion
-    return await _respond(raw, serving.create(req))
+    return await _generate(raw, raw.app.state.serving_completion, p.CompletionRequest)
 
 
 @v1.post("/responses", summary="Create a response (OpenAI Responses API; text in and out)",
@@ -282,9 +293,7 @@ async def create_completion(raw: Request) -> Response:
              "content_part.added, output_text.delta / reasoning_text.delta, their .done, output_item.done, then "
              "response.completed (an error mid-stream is an `error` event)")))
 async def create_response(raw: Request) -> Response:
-    req = await read_request(raw, p.ResponsesRequest)
-    serving: ServingResponses = raw.app.state.serving_responses
-    return await _respond(raw, serving.create(req))
+    return await _generate(raw, raw.app.state.serving_responses, p.ResponsesRequest)
 
 
 @v1.get("/models", summary="List the served model", responses=_errors(401, 500))
@@ -402,6 +411,7 @@ def build_app(*, serving_chat: ServingChat, serving_completion: ServingCompletio
     app = FastAPI(title="nextn", version=version, docs_url="/docs", redoc_url=None, openapi_url="/openapi.json",
                   description="OpenAI-compatible server for Qwen3.5 with exact MTP speculative decoding. Errors "
                               "are OpenAI error bodies; nextn extras are documented per field.")
+    serving_completion.admission = serving_chat.admission  # one for the server: arrivals gather across endpoints
     app.state.serving_chat = serving_chat
     app.state.serving_completion = serving_completion
     app.state.serving_responses = ServingResponses(serving_chat)

@@ -34,7 +34,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from server.worker import Drainable, Job, JobEvent, QueueFull, Unavailable, _Outbox
+from server.worker import Drainable, Job, JobEvent, QueueFull, Unavailable, _Outbox, submit_one
 
 log = logging.getLogger("nextn.engine")
 
@@ -373,24 +373,47 @@ class EngineProcess(Drainable):
 
     def submit(self, jobs: Sequence[Job]) -> None:
         """Queue all of `jobs` or none. Raises `Unavailable` or `QueueFull`."""
+        submit_one(self, jobs)
+
+    def submit_many(self, requests: Sequence[Sequence[Job]]) -> list[Exception | None]:
+        """Queue several requests' jobs, in order, each request's all or none, in ONE message: the engine's worker
+        admits them together. Returns each request's refusal (`Unavailable`, `QueueFull`, a job the engine process
+        cannot take) or None."""
+        out: list[Exception | None] = []
+        sent: list[Job] = []
+        specs: list[_JobSpec] = []
         with self._cv:
-            if self._draining or self._stopping:
-                raise Unavailable("the server is draining for shutdown")
-            if not self.alive:
-                raise Unavailable("the engine is not running")
-            waiting = max(0, len(self._jobs) - self._running)  # sent and not yet running (an upper bound)
-            if waiting + len(jobs) > self.max_queue:
-                raise QueueFull(f"the admission queue is full ({self.max_queue} waiting)")
-            specs = [self._spec(job) for job in jobs]
-            for job, spec in zip(jobs, specs):
-                self._jobs[spec.key] = job
-                job.key = spec.key  # type: ignore[attr-defined]
-                job.on_cancel = self._cancel
-            self.metrics.set_waiting(waiting + len(jobs))
-        self._send(("submit", specs))
-        for job in jobs:  # cancelled before they were sent
+            for jobs in requests:
+                if self._draining or self._stopping:
+                    out.append(Unavailable("the server is draining for shutdown"))
+                    continue
+                if not self.alive:
+                    out.append(Unavailable("the engine is not running"))
+                    continue
+                waiting = max(0, len(self._jobs) - self._running)  # sent and not yet running (an upper bound)
+                if waiting + len(jobs) > self.max_queue:
+                    out.append(QueueFull(f"the admission queue is full ({self.max_queue} waiting)"))
+                    continue
+                try:
+                    mine = [self._spec(job) for job in jobs]
+                except Exception as e:  # noqa: BLE001 - this request's answer
+                    out.append(e)
+                    continue
+                for job, spec in zip(jobs, mine, strict=True):
+                    self._jobs[spec.key] = job
+                    job.key = spec.key  # type: ignore[attr-defined]
+                    job.on_cancel = self._cancel
+                specs += mine
+                sent += jobs
+                out.append(None)
+            if specs:
+                self.metrics.set_waiting(max(0, len(self._jobs) - self._running))
+        if specs:
+            self._send(("submit", specs))
+        for job in sent:  # cancelled before they were sent
             if job.cancel_reason is not None:
                 self._cancel(job)
+        return out
 
     def _spec(self, job: Job) -> _JobSpec:
         grammar, reasoning = None, False

@@ -41,6 +41,7 @@ class ServingResponses:
 
     def __init__(self, chat: ServingChat) -> None:
         self.chat = chat
+        self.admission = chat.admission
 
     async def create(self, req: p.ResponsesRequest) -> p.ResponseObject | SSEStream:
         """Validate, submit as chat, and return the finished `ResponseObject`, or an `SSEStream` of Responses

@@ -27,6 +27,7 @@ from grammar import GrammarError, GrammarSource, ToolCallDelta, source_from_requ
 from grammar.parsers import THINK_END
 from metrics.prometheus import ServingMetrics
 from server import protocol as p
+from server.admission import Admission
 from server.structured import ChatOutput, OutputDelta, StructuredOutputs, grammar_error, opens_reasoning
 from server.worker import Job, JobEvent, QueueFull, Unavailable, Worker
 
@@ -363,9 +364,12 @@ class OpenAIServing:
     """Shared by the endpoints. `k` is the server's speculation depth (0 = plain decode)."""
 
     def __init__(self, *, tokenizer: Tokenizer, worker: Worker, model_name: str, max_model_len: int,
-                 vocab_size: int, k: int, structured: StructuredOutputs | None = None) -> None:
-        """`structured`: the grammar compiler (None: requests that need a grammar get 400)."""
+                 vocab_size: int, k: int, structured: StructuredOutputs | None = None,
+                 admission: Admission | None = None) -> None:
+        """`structured`: the grammar compiler (None: requests that need a grammar get 400). `admission`: how jobs
+        reach the worker, shared by every endpoint of a server (None: one of this endpoint's own)."""
         self.tokenizer, self.worker = tokenizer, worker
+        self.admission = Admission(worker) if admission is None else admission
         self.model_name, self.max_model_len = model_name, max_model_len
         self.vocab_size, self.k = vocab_size, k
         self.structured = structured
@@ -449,8 +453,9 @@ class OpenAIServing:
             raise APIError(400, f"min_tokens ({min_tokens}) must be <= {param} ({budget})", param="min_tokens")
         return _Prepared(prompt_ids, budget)
 
-    def start(self, req: p.ChatCompletionRequest | p.CompletionRequest, preps: list[_Prepared],
-              constraint: Callable[[], SpecConstraint] | None = None, prompt_logprobs: int | None = None) -> Generation:
+    async def start(self, req: p.ChatCompletionRequest | p.CompletionRequest, preps: list[_Prepared],
+                    constraint: Callable[[], SpecConstraint] | None = None,
+                    prompt_logprobs: int | None = None) -> Generation:
         """Submit n jobs per prompt: choice index = prompt index * n + i, choice i gets seed + i, `constraint()`
         makes each choice's own grammar state, and the first choice of each prompt computes its prompt
         logprobs when `prompt_logprobs` is set. Raises `APIError` 429/503."""
@@ -472,7 +477,7 @@ class OpenAIServing:
                                            include_stop=req.include_stop_str_in_output, stop_ids=frozenset(eos),
                                            reasoning=prep.in_reasoning))
         try:
-            self.worker.submit(jobs)
+            await self.admission.submit(jobs)  # with the requests that arrived with this one (server/admission.py)
         except QueueFull as e:
             raise APIError(429, str(e), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except Unavailable as e:
@@ -540,7 +545,7 @@ class ServingChat(OpenAIServing):
         """Prepare (in a thread), compile the grammar, submit the jobs."""
         prep = await asyncio.to_thread(self._prepare, req)
         constraint = await self.constraint(prep)
-        return prep, self.start(req, [prep], constraint, prompt_logprobs=req.prompt_logprobs)
+        return prep, await self.start(req, [prep], constraint, prompt_logprobs=req.prompt_logprobs)
 
     def _prepare(self, req: p.ChatCompletionRequest) -> _Prepared:
         """Checks, the grammar source, chat template and tokenization (runs in a worker thread)."""
@@ -730,7 +735,7 @@ class ServingCompletion(OpenAIServing):
         preps = await asyncio.to_thread(self._prepare, req)
         constraint = await self.constraint(preps[0])
         want = [x for x in (req.prompt_logprobs, req.logprobs if req.echo else None) if x is not None]
-        gen = self.start(req, preps, constraint, prompt_logprobs=max(want) if want else None)
+        gen = await self.start(req, preps, constraint, prompt_logprobs=max(want) if want else None)
         rid = p.random_id("cmpl")
         if req.stream:
             return SSEStream(self._stream(req, rid, gen, preps), gen.cancel)

@@ -162,6 +162,13 @@ class _Active:
 SessionFactory = Callable[..., SpecSession]
 
 
+def submit_one(worker: Any, jobs: Sequence[Job]) -> None:
+    """`submit` for one request through the worker's `submit_many`: raises the request's refusal."""
+    err = worker.submit_many([jobs])[0]
+    if err is not None:
+        raise err
+
+
 class Drainable:
     """The drain switch both workers share (`Worker`, `server.engine_proc.EngineProcess`); `_cv` guards it."""
 
@@ -216,16 +223,26 @@ class Worker(Drainable):
 
     def submit(self, jobs: Sequence[Job]) -> None:
         """Queue all of `jobs` or none. Raises `Unavailable` or `QueueFull`."""
+        submit_one(self, jobs)
+
+    def submit_many(self, requests: Sequence[Sequence[Job]]) -> list[Exception | None]:
+        """Queue several requests' jobs at once, in order, each request's all or none: the worker admits them
+        together. Returns each request's refusal (`Unavailable`, `QueueFull`) or None."""
+        out: list[Exception | None] = []
         with self._cv:
-            if self._draining or self._stopping:
-                raise Unavailable("the server is draining for shutdown")
-            if self._failed or not self._thread.is_alive():
-                raise Unavailable("the worker is not running")
-            if len(self._waiting) + len(jobs) > self.max_queue:
-                raise QueueFull(f"the admission queue is full ({self.max_queue} waiting)")
-            self._waiting.extend(jobs)
+            for jobs in requests:
+                if self._draining or self._stopping:
+                    out.append(Unavailable("the server is draining for shutdown"))
+                elif self._failed or not self._thread.is_alive():
+                    out.append(Unavailable("the worker is not running"))
+                elif len(self._waiting) + len(jobs) > self.max_queue:
+                    out.append(QueueFull(f"the admission queue is full ({self.max_queue} waiting)"))
+                else:
+                    self._waiting.extend(jobs)
+                    out.append(None)
             self.metrics.set_waiting(len(self._waiting))
             self._cv.notify()
+        return out
 
     @property
     def num_active(self) -> int:

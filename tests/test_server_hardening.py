@@ -134,13 +134,14 @@ def test_non_stream_client_timeouts_cancel_their_jobs(slow, monkeypatch):
     aborted = s.metric("nextn_request_success_total", finished_reason="abort")
     length = s.metric("nextn_request_success_total", finished_reason="length")
     submitted: list[int] = []
-    submit = s.worker.submit
+    submit_many = s.worker.submit_many  # how `Admission` submits, alone or together
 
-    def counting_submit(jobs):
-        submit(jobs)
-        submitted.append(len(jobs))
+    def counting_submit_many(requests):
+        refused = submit_many(requests)
+        submitted.extend(len(jobs) for jobs, err in zip(requests, refused) if err is None)
+        return refused
 
-    monkeypatch.setattr(s.worker, "submit", counting_submit)
+    monkeypatch.setattr(s.worker, "submit_many", counting_submit_many)
     client = openai.OpenAI(base_url=s.base_url, api_key="x", max_retries=0, timeout=2.0)
     n = 12
     raised: list[str] = []

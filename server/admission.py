@@ -31,8 +31,6 @@ ARRIVAL_WAIT_S = 0.005
 class Submits(Protocol):
     """`server.worker.Worker` or `server.engine_proc.EngineProcess`."""
 
-    def submit(self, jobs: Sequence[Job]) -> None: ...
-
     def submit_many(self, requests: Sequence[Sequence[Job]]) -> list[Exception | None]: ...
 
 
@@ -75,13 +73,13 @@ class Admission:
         finally:
             _current.reset(token)
             self._close(ticket)
+            if not self._preparing:  # it was the last being prepared (and failed): the held go now
+                self._flush()
 
     def _close(self, ticket: _Ticket) -> None:
         if ticket.open:
             ticket.open = False
             self._preparing -= 1
-            if self._preparing == 0:
-                self._flush()
 
     async def submit(self, jobs: Sequence[Job]) -> None:
         """Queue `jobs` (one request's, all or none) on the worker, now or with the requests that arrived with it.
@@ -91,9 +89,8 @@ class Admission:
         loop = asyncio.get_running_loop()
         done: asyncio.Future[None] = loop.create_future()
         self._held.append((jobs, done))
-        if ticket is not None and ticket.open:
-            ticket.open = False
-            self._preparing -= 1
+        if ticket is not None:
+            self._close(ticket)
         if not self._preparing:  # nobody else is being prepared: this request and any held go now, together
             self._flush()
         elif self._timer is None:

@@ -34,7 +34,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from server.worker import Drainable, Job, JobEvent, QueueFull, Unavailable, _Outbox, submit_one
+from server.worker import Drainable, Job, JobEvent, QueueFull, Unavailable, _Outbox
 
 log = logging.getLogger("nextn.engine")
 
@@ -370,10 +370,6 @@ class EngineProcess(Drainable):
                 self._proc.join(10)
 
     # -- event-loop side ------------------------------------------------------------------------------
-
-    def submit(self, jobs: Sequence[Job]) -> None:
-        """Queue all of `jobs` or none. Raises `Unavailable` or `QueueFull`."""
-        submit_one(self, jobs)
 
     def submit_many(self, requests: Sequence[Sequence[Job]]) -> list[Exception | None]:
         """Queue several requests' jobs, in order, each request's all or none, in ONE message: the engine's worker

@@ -364,12 +364,11 @@ class OpenAIServing:
     """Shared by the endpoints. `k` is the server's speculation depth (0 = plain decode)."""
 
     def __init__(self, *, tokenizer: Tokenizer, worker: Worker, model_name: str, max_model_len: int,
-                 vocab_size: int, k: int, structured: StructuredOutputs | None = None,
-                 admission: Admission | None = None) -> None:
-        """`structured`: the grammar compiler (None: requests that need a grammar get 400). `admission`: how jobs
-        reach the worker, shared by every endpoint of a server (None: one of this endpoint's own)."""
+                 vocab_size: int, k: int, structured: StructuredOutputs | None = None) -> None:
+        """`structured`: the grammar compiler (None: requests that need a grammar get 400)."""
         self.tokenizer, self.worker = tokenizer, worker
-        self.admission = Admission(worker) if admission is None else admission
+        #: how jobs reach the worker (`build_app` makes every endpoint of a server share one)
+        self.admission = Admission(worker)
         self.model_name, self.max_model_len = model_name, max_model_len
         self.vocab_size, self.k = vocab_size, k
         self.structured = structured

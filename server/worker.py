@@ -162,18 +162,21 @@ class _Active:
 SessionFactory = Callable[..., SpecSession]
 
 
-def submit_one(worker: Any, jobs: Sequence[Job]) -> None:
-    """`submit` for one request through the worker's `submit_many`: raises the request's refusal."""
-    err = worker.submit_many([jobs])[0]
-    if err is not None:
-        raise err
-
-
 class Drainable:
-    """The drain switch both workers share (`Worker`, `server.engine_proc.EngineProcess`); `_cv` guards it."""
+    """What both workers (`Worker`, `server.engine_proc.EngineProcess`) share: the drain switch (`_cv` guards it)
+    and `submit`, one request through their `submit_many`."""
 
     _cv: threading.Condition
     _draining: bool
+
+    def submit_many(self, requests: Sequence[Sequence[Job]]) -> list[Exception | None]:
+        raise NotImplementedError
+
+    def submit(self, jobs: Sequence[Job]) -> None:
+        """Queue all of `jobs` or none. Raises `Unavailable` or `QueueFull`."""
+        err = self.submit_many([jobs])[0]
+        if err is not None:
+            raise err
 
     @property
     def draining(self) -> bool:
@@ -220,10 +223,6 @@ class Worker(Drainable):
 
     def start(self) -> None:
         self._thread.start()
-
-    def submit(self, jobs: Sequence[Job]) -> None:
-        """Queue all of `jobs` or none. Raises `Unavailable` or `QueueFull`."""
-        submit_one(self, jobs)
 
     def submit_many(self, requests: Sequence[Sequence[Job]]) -> list[Exception | None]:
         """Queue several requests' jobs at once, in order, each request's all or none: the worker admits them

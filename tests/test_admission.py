@@ -21,7 +21,7 @@ import pytest
 import server.app as app_module
 from server.admission import Admission
 from server.engine_proc import EngineProcess
-from server.worker import QueueFull, submit_one
+from server.worker import QueueFull
 from tests.server_fixtures import ServerThread
 
 
@@ -42,9 +42,6 @@ class _Worker:
     def __init__(self, refuse: Sequence[_Job] = ()) -> None:
         self.calls: list[list[list[_Job]]] = []
         self.refuse = list(refuse)
-
-    def submit(self, jobs: Sequence[_Job]) -> None:
-        submit_one(self, jobs)
 
     def submit_many(self, requests: Sequence[Sequence[_Job]]) -> list[Exception | None]:
         self.calls.append([list(r) for r in requests])

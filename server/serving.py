@@ -181,6 +181,7 @@ class ChoiceState:
         self.matcher = StopMatcher(stops)
         self.include_stop, self.stop_ids = include_stop, stop_ids
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
+        self.cached_tokens = 0  # prompt tokens the prefix cache held (arrives with the first event)
         #: inside the reasoning block: the text's last len(THINK_END) - 1 characters (None: stops are live)
         self._think_tail: str | None = "" if reasoning and stops else None
         self._skip_ws = False  # the whitespace right after `</think>` is not matched either
@@ -204,6 +205,8 @@ class ChoiceState:
             self.done, self.telem = True, ev.telem
         if ev.prompt_logprobs is not None:
             self.prompt_logprobs = ev.prompt_logprobs
+        if ev.cached_tokens is not None:
+            self.cached_tokens = ev.cached_tokens
         if self.finished:
             return d
         for i, tok in enumerate(ev.token_ids):
@@ -279,12 +282,18 @@ class Generation:
     counter's increase equals the sum of the requests' `usage.completion_tokens`."""
 
     def __init__(self, jobs: list[Job], choices: list[ChoiceState], events: asyncio.Queue[JobEvent],
-                 metrics: ServingMetrics, prompt_tokens: int) -> None:
+                 metrics: ServingMetrics, prompt_tokens: int, n: int = 1) -> None:
         self.jobs, self.choices, self.events = jobs, choices, events
+        self.n = n  # choices per prompt (choice index = prompt index * n + i)
         self.cancelled = False
         self.metrics, self.prompt_tokens = metrics, prompt_tokens
         self.arrival = time.monotonic()
         self._recorded = False
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens the prefix cache held, summed over the prompts (each prompt's first choice's)."""
+        return sum(c.cached_tokens for c in self.choices[::self.n])
 
     def cancel(self) -> None:
         """The client left: ask the worker to drop every unfinished job (idempotent; on the event loop).
@@ -481,14 +490,15 @@ class OpenAIServing:
             raise APIError(429, str(e), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except Unavailable as e:
             raise APIError(503, str(e), code="unavailable") from None
-        return Generation(jobs, choices, events, self.worker.metrics, sum(len(x.prompt_ids) for x in preps))
+        return Generation(jobs, choices, events, self.worker.metrics, sum(len(x.prompt_ids) for x in preps), req.n)
 
     def usage(self, gen: Generation, prompt_tokens: int, final: bool = True) -> p.UsageInfo:
         """The request's usage (`final` False: the counts so far, without spec telemetry)."""
         completion = sum(len(c.token_ids) for c in gen.choices)
         spec = p.SpecUsage(**gen.telemetry().to_dict(self.k)) if self.k > 0 and final else None
         return p.UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion,
-                           total_tokens=prompt_tokens + completion, spec=spec)
+                           total_tokens=prompt_tokens + completion, spec=spec,
+                           prompt_tokens_details=p.PromptTokensDetails(cached_tokens=gen.cached_tokens))
 
     def token_text(self, tok: int, as_id: bool = False) -> str:
         """A token's text (`token_id:N` when `as_id`, vLLM's return_tokens_as_token_ids)."""

@@ -203,7 +203,7 @@ def test_a_row_failing_in_a_batched_prefill_fails_alone(ckpt):
             raise RuntimeError("injected")
 
     class TooLong(SpecSession):
-        def next_chunk(self, budget):
+        def next_chunk(self):
             raise ValueError("does not fit")
 
     sched = Scheduler(model, max_num_seqs=4, max_model_len=128, k=2, max_num_batched_tokens=512)

@@ -229,10 +229,10 @@ def test_rms_norm_matches_twin_rowwise_and_on_views(shape):
         cpu.rms_norm(x, w1[:-1], 1e-6)
 
 
-def test_rms_norm_module_takes_the_kernel_in_step_forwards_and_short_prefill_chunks():
-    """RMSNorm runs the C kernel in a step forward (ctx.record) and a prefill chunk of up to cpu.PREFILL_MAX_T
-    tokens per row of an fp32 CPU model; longer chunks, the cache-free forward (the transformers oracle's), fp64 and
-    --no-cpu-kernel keep the torch twin, bitwise."""
+def test_rms_norm_module_takes_the_kernel_in_step_forwards_and_prefill_blocks():
+    """RMSNorm runs the C kernel in a step forward (ctx.record) and a prefill block of any length of an fp32 CPU
+    model; the cache-free forward (the transformers oracle's), fp64 and --no-cpu-kernel keep the torch twin,
+    bitwise."""
     from engine.model.qwen35 import RMSNorm
 
     cfg = _cfg(16, 0.25)
@@ -241,7 +241,7 @@ def test_rms_norm_module_takes_the_kernel_in_step_forwards_and_short_prefill_chu
     with torch.no_grad():
         norm.weight.copy_(torch.randn(16, generator=g))
     x = torch.randn(2, 3, 16, generator=g)
-    long_T = cpu.PREFILL_MAX_T + 1
+    long_T = 300
     xl = torch.randn(2, long_T, 16, generator=g)
     step = FwdCtx.make(cfg, "cpu", torch.float32, [0, 1], [0, 0], [0, 0], [0, 0], 3, True)
     prefill = FwdCtx.make(cfg, "cpu", torch.float32, [0, 1], [0, 0], [0, 0], [0, 0], 3, False)
@@ -252,11 +252,12 @@ def test_rms_norm_module_takes_the_kernel_in_step_forwards_and_short_prefill_chu
             y, yp = norm(x, step), norm(x, prefill)
             assert len(calls) == 2, "the step forward or the short prefill chunk did not run the kernel"
             norm(xl, long_prefill)
+            assert len(calls) == 3, "a long prefill block did not run the kernel"
             norm(x, None)
-            assert len(calls) == 2, "a long prefill chunk / the cache-free forward ran the kernel"
+            assert len(calls) == 3, "the cache-free forward ran the kernel"
         assert_bitwise(y, cpu.rms_norm(x, w1, 1e-6), "step forward: the kernel")
         assert_bitwise(yp, y, "short prefill chunk: the kernel")
-        assert_bitwise(norm(xl, long_prefill), rms_norm_ref(xl, norm.weight, 1e-6), "long prefill: the twin")
+        assert_bitwise(norm(xl, long_prefill), cpu.rms_norm(xl, w1, 1e-6), "long prefill: the kernel")
         assert_bitwise(norm(x, None), rms_norm_ref(x, norm.weight, 1e-6), "no cache: the twin")
         xd = x.double()
         assert_bitwise(norm.double()(xd, step), rms_norm_ref(xd, norm.weight, 1e-6), "fp64: the twin")

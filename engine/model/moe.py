@@ -39,8 +39,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
         """`ctx`: the forward's FwdCtx; in a step forward (`ctx.record`) an fp32 CPU model with fused weights runs
-        the whole block as ops/cpu.py's C call (batch-invariant GEMMs), as does a short prefill chunk
-        (`ctx.cpu_kernels`). Long prefill chunks and no cache: the torch path."""
+        the whole block as ops/cpu.py's C call (batch-invariant GEMMs), as does a prefill block
+        (`ctx.cpu_kernels`). No cache: the torch path."""
         if ctx is not None and ctx.cpu_kernels and self._w_gu is not None:
             y = cpu.mlp_or_none(x, self._w_gu, self.down_proj.weight)
             if y is not None:

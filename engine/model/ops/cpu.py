@@ -11,7 +11,7 @@ the K/V writes, SDPA and its mask, the gate) and 7 per RMSNorm; each kernel does
 (bench/RESULTS.md). torch's GEMM (MKL) rounds a row differently with the row count; cpu_linear.c's does not.
 
 Contract: `attn_step` computes what GatedAttention's torch path computes over the KV pool for step forwards
-(decode, verify, MTP drafts) and prefill chunks of up to PREFILL_MAX_T tokens per row (longer ones keep SDPA), and
+(decode, verify, MTP drafts) and prefill blocks of any length, and
 `rms_norm` what norm.rms_norm_ref computes, both for fp32. `gdn_step` computes what GatedDeltaNet's torch path
 computes over the pool for those forwards, for fp32 models: row i reads window slot read[i] of pool slot slots[i];
 in a recording forward the state after token t goes to window slot write0[i] + t, in a prefill chunk every token
@@ -75,9 +75,6 @@ _tried = False
 _enabled = True
 _why = ""  # why the kernel is unavailable (set by a failed build)
 _gemm = False  # the CPU has AVX2 and FMA: cpu_linear.c's GEMM runs (set by the build)
-#: Prefill chunks of up to this many tokens per row run the kernels too (their per-token recurrence and attention
-#: cost what the step's do; longer chunks keep torch's chunked GDN and SDPA, which scale better with T).
-PREFILL_MAX_T = 128
 _threads = 1  # threads the kernels may use (cpu_par.c: 1 or 2), applied to the library when it is built
 _wide = True  # the GEMM's 16-lane tiles where the CPU has AVX-512 (set_wide), applied when it is built
 MAX_THREADS = 2  # cpu_par.c runs the calling thread and one helper

@@ -79,9 +79,9 @@ class ServeSettings(BaseModel):
                                 f"from the available memory, {DEFAULT_MAX_QUEUE_RANGE[0]} to "
                                 f"{DEFAULT_MAX_QUEUE_RANGE[1]}; set it for back-pressure)")
     max_logprobs: int = Field(
-        DEFAULT_MAX_LOGPROBS, ge=-1, description="vLLM's: most logprobs a request may ask for per token (top_logprobs, "
-                                                 "completions logprobs, prompt_logprobs; a request's -1 means the whole "
-                                                 "vocabulary); -1 = no bound")
+        DEFAULT_MAX_LOGPROBS, ge=-1, description="vLLM's: most logprobs a request may ask for per token "
+                                                 "(top_logprobs, completions logprobs, prompt_logprobs; a request's "
+                                                 "-1 means the whole vocabulary); -1 = no bound")
     api_key: SecretStr | None = Field(
         None, min_length=1, description="require `Authorization: Bearer KEY` on every /v1 route (default: no key; "
                                         "never logged)")

@@ -193,7 +193,7 @@ def build_server(settings: ServeSettings, model: Any, tokenizer: Any, **worker_k
                                    cache_size=settings.grammar_cache_size)
     common: dict[str, Any] = dict(tokenizer=tokenizer, worker=worker, model_name=settings.served_model_name,
                                   max_model_len=settings.max_model_len, vocab_size=cfg.vocab_size, k=k,
-                                  structured=structured)
+                                  structured=structured, max_logprobs=settings.max_logprobs)
     chat = ServingChat(special_tokens_in_content=settings.allow_special_tokens_in_content, **common)
     api_key = settings.api_key.get_secret_value() if settings.api_key is not None else None
     app = build_app(serving_chat=chat, serving_completion=ServingCompletion(**common), worker=worker,

@@ -44,7 +44,8 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 OPERATIONS = [("POST", "/v1/chat/completions", 100), ("POST", "/v1/completions", 100), ("POST", "/v1/responses", 40),
               ("POST", "/tokenize", 20), ("POST", "/detokenize", 20), ("GET", "/v1/models", 5),
               ("GET", "/v1/models/{model_id}", 5), ("GET", "/version", 5), ("GET", "/health", 5), ("GET", "/ready", 5),
-              ("GET", "/metrics", 5)]
+              ("GET", "/metrics", 5), ("POST", "/invocations", 30), ("GET", "/ping", 5), ("POST", "/ping", 5),
+              ("GET", "/load", 5)]
 #: Responses options that are a documented 400 whatever their value (positive bodies drop them to reach the engine).
 RESPONSES_REFUSED = ("previous_response_id", "conversation", "prompt", "background", "include", "tools", "top_logprobs",
                      "tool_choice", "truncation", "text")

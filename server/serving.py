@@ -29,7 +29,8 @@ from grammar.parsers import THINK_END
 from metrics.prometheus import ServingMetrics
 from server import protocol as p
 from server.admission import Admission
-from server.structured import ChatOutput, OutputDelta, StructuredOutputs, grammar_error, opens_reasoning
+from server.structured import (ChatOutput, OutputDelta, StructuredOutputs, grammar_error, opens_reasoning,
+                               tool_tags_are_special)
 from server.worker import Job, JobEvent, QueueFull, Unavailable, Worker
 
 log = logging.getLogger("nextn.serving")
@@ -269,6 +270,7 @@ class _Prepared:
     grammar: GrammarSource | None = None  # chat: the constraint the request asks for
     in_reasoning: bool = False  # chat: the prompt leaves a <think> block open
     echo: str = ""  # text the output starts with (chat and completions `echo`)
+    keep_special: bool = False  # decode special tokens whatever skip_special_tokens says (tool tags that are special)
 
 
 class Generation:
@@ -524,7 +526,7 @@ class OpenAIServing:
                                 constraint=constraint() if constraint is not None else None,
                                 prompt_logprobs=prompt_logprobs if i == 0 else None))
                 choices.append(ChoiceState(index, self.tokenizer, prep.prompt_ids, stops,
-                                           skip_special_tokens=req.skip_special_tokens,
+                                           skip_special_tokens=req.skip_special_tokens and not prep.keep_special,
                                            include_stop=req.include_stop_str_in_output, stop_ids=frozenset(eos),
                                            reasoning=prep.in_reasoning))
         try:
@@ -625,6 +627,7 @@ class ServingChat(OpenAIServing):
                            param="max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
         prep.grammar = src
         prep.in_reasoning = opens_reasoning(self.tokenizer, prep.prompt_ids)
+        prep.keep_special = self.parses_tools(req) and tool_tags_are_special(self.tokenizer)
         last = req.messages[-1]
         if req.echo and last.role == ("assistant" if req.add_generation_prompt else last.role):
             prep.echo = _content_text(last.content)
@@ -659,9 +662,13 @@ class ServingChat(OpenAIServing):
             raise APIError(400, printable(e, 500), param=param) from None
 
     @staticmethod
-    def output(req: p.ChatCompletionRequest, prep: _Prepared) -> ChatOutput:
+    def parses_tools(req: p.ChatCompletionRequest) -> bool:
+        """Tool calls are parsed out of the output: tools are offered and tool_choice is not "none"."""
+        return bool(req.tools) and req.tool_choice != "none"
+
+    def output(self, req: p.ChatCompletionRequest, prep: _Prepared) -> ChatOutput:
         """A choice's output chain: reasoning split; tool-call parsing when tools are offered."""
-        tools = req.tools if req.tools and req.tool_choice != "none" else None
+        tools = req.tools if self.parses_tools(req) else None
         return ChatOutput(in_reasoning=prep.in_reasoning, tools=tools, parallel=req.parallel_tool_calls is not False)
 
     @staticmethod

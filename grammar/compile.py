@@ -31,7 +31,7 @@ from llguidance import LLMatcher, LLTokenizer
 
 from .errors import GrammarError
 from .tools import (JSON_OPTIONS, TOOL_CALL_END, TOOL_CALL_START, find_tool, parse_tools, tool_calls_lark,
-                    tool_value_problem)
+                    tool_value_problem, user_problem)
 
 if TYPE_CHECKING:
     from .constraint import GuidanceConstraint
@@ -353,8 +353,13 @@ class GrammarCompiler:
 
     @staticmethod
     def _user_error(src: GrammarSource, err: GrammarError) -> GrammarError:
-        """A tool-call grammar is ours, not the user's: its failure is told as the tool parameter whose schema or
-        pattern caused it (or, if none alone does, without the grammar's text, which goes to the log)."""
+        """A failure in the user's terms. A regex's grammar is ours: the regex's problem without that grammar's
+        text. A tool-call grammar is ours too: its failure is told as the tool parameter whose schema or pattern
+        caused it (or, if none alone does, without the grammar's text, which goes to the log). Other sources'
+        messages are about the user's own text (schema, lark) and stay as they are."""
+        if src.kind == "regex":
+            prefix = f"invalid {src.param}: "
+            return GrammarError(prefix + user_problem(err.message.removeprefix(prefix)), src.param)
         if src.kind != "tool_calls":
             return err
         specs = parse_tools([{"type": "function", "function": t} for t in json.loads(src.text)], src.param)

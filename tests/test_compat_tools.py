@@ -24,6 +24,14 @@ ASK = [{"role": "user", "content": "What is the weather in Paris for the next 3 
 AUTO_CALL = (r"Let me check\.\n<tool_call>\n<function=get_weather>\n<parameter=city>\n(Paris|Rome)\n</parameter>\n"
              r"<parameter=days>\n[1-7]\n</parameter>\n</function>\n</tool_call>")
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
+#: What the grammars nextn builds are made of (none of it may reach an error message).
+GRAMMAR_TEXT = ("NO_PARAM_END", "x-guidance", " | ", "<tool_call>", "at 1(", "at 4(")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    with ServerThread() as s:
+        yield s
 
 
 def demo_tokenizer(out: Path, edit) -> Tokenizer:
@@ -85,14 +93,23 @@ def test_tool_call_tags_marked_special_still_reach_the_parser(tmp_path):
                                             ({"type": "string", "pattern": "(("}, "unclosed group"),
                                             ({"type": "object", "properties": {"a": {"type": "strin"}}},
                                              "Invalid type: strin")])
-def test_a_tool_schema_that_cannot_compile_is_a_400_in_the_users_terms(schema, problem):
+def test_a_tool_schema_that_cannot_compile_is_a_400_in_the_users_terms(tiny, schema, problem):
     bad = [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"n": schema}, "required": ["n"]}}}]
-    with ServerThread() as s:
-        c = openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0)
-        with pytest.raises(openai.BadRequestError) as e:
-            c.chat.completions.create(model=s.model, messages=ASK, tools=bad, tool_choice="required", max_tokens=4)
+    c = openai.OpenAI(base_url=tiny.base_url, api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=tiny.model, messages=ASK, tools=bad, tool_choice="required", max_tokens=4)
     err = e.value.body
     assert err["param"] == "tools" and err["code"] == "invalid_grammar"
     assert "function 'f', parameter 'n'" in err["message"] and problem in err["message"]
-    assert not any(w in err["message"] for w in ("NO_PARAM_END", "x-guidance", " | ", "<tool_call>", "at 4("))
+    assert not any(w in err["message"] for w in GRAMMAR_TEXT)
+
+
+def test_a_bad_regex_is_a_400_without_the_grammar_made_of_it(tiny):
+    c = openai.OpenAI(base_url=tiny.base_url, api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=tiny.model, messages=ASK, max_tokens=4,
+                                  extra_body={"structured_outputs": {"regex": "(("}})
+    err = e.value.body
+    assert err["param"] == "structured_outputs.regex" and "unclosed group" in err["message"]
+    assert not any(w in err["message"] for w in GRAMMAR_TEXT + ("start:",))

@@ -338,7 +338,7 @@ class HealthStatus(BaseModel):
     status: str
 
 
-#: Routes that need the API key besides /v1/* (vLLM's /tokenize, /detokenize, /invocations).
+#: Routes outside /v1 that need the API key (the `tokens` router's).
 KEYED_PATHS = ("/tokenize", "/detokenize", "/invocations")
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -35,6 +35,17 @@ CONFIG_ENV = ENV_PREFIX + "CONFIG"
 DEFAULT_MAX_MODEL_LEN_CAP = 4096
 #: The engine's telemetry tracks this many draft positions (engine.spec.SPEC_TELEM_POS).
 MAX_SPEC_TOKENS = 8
+#: Without --max-queue the admission queue is sized from memory: one waiting request may hold its prompt ids on
+#: both sides of the engine pipe and its detokenizer and grammar state, bounded by QUEUE_BYTES_PER_TOKEN per token of
+#: the context plus QUEUE_BYTES_PER_REQUEST; the queue may fill QUEUE_MEMORY_SHARE of the available memory, and the
+#: bound stays within DEFAULT_MAX_QUEUE_RANGE (a burst of hundreds always queues, as on vLLM, whose queue has no
+#: bound at all).
+QUEUE_BYTES_PER_TOKEN = 64
+QUEUE_BYTES_PER_REQUEST = 64 * 1024
+QUEUE_MEMORY_SHARE = 8  # 1/8 of the available memory
+DEFAULT_MAX_QUEUE_RANGE = (1024, 16384)
+#: --max-logprobs default: vLLM's (the OpenAI chat API's top_logprobs bound); -1 = no bound (the vocabulary).
+DEFAULT_MAX_LOGPROBS = 20
 
 
 class SettingsError(ValueError):
@@ -68,7 +79,14 @@ class ServeSettings(BaseModel):
         None, ge=0, allow_inf_nan=False,
         description="memory for the exact prefix cache in GiB (host RAM on cpu, device memory on cuda; 0 = off) "
                     "(default: 40 percent of the memory left free after the state pool, at most 8 GiB on cpu)")
-    max_queue: int = Field(64, ge=1, description="sessions waiting for a slot before requests get 429")
+    max_queue: int | None = Field(
+        None, ge=1, description="sessions waiting for a slot before requests get 429 with Retry-After (default: sized "
+                                f"from the available memory, {DEFAULT_MAX_QUEUE_RANGE[0]} to "
+                                f"{DEFAULT_MAX_QUEUE_RANGE[1]}; set it for back-pressure)")
+    max_logprobs: int = Field(
+        DEFAULT_MAX_LOGPROBS, ge=-1, description="vLLM's: most logprobs a request may ask for per token "
+                                                 "(top_logprobs, completions logprobs, prompt_logprobs; a request's "
+                                                 "-1 means the whole vocabulary); -1 = no bound")
     api_key: SecretStr | None = Field(
         None, min_length=1, description="require `Authorization: Bearer KEY` on every /v1 route (default: no key; "
                                         "never logged)")
@@ -242,9 +260,40 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def available_memory() -> int | None:
+    """Bytes of host memory this process may still use: MemAvailable, lowered to the room left under a cgroup v2
+    memory limit when there is one; None when neither can be read."""
+    found: list[int] = []
+    try:
+        with open("/proc/meminfo") as f:
+            found += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit.isdigit():
+            found.append(max(0, int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text().strip())))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
+
+
+def default_max_queue(max_model_len: int, memory: int | None) -> tuple[int, str]:
+    """The admission queue bound without --max-queue, and why: as many waiting requests of up to `max_model_len`
+    tokens as fit in 1/QUEUE_MEMORY_SHARE of `memory` bytes, within DEFAULT_MAX_QUEUE_RANGE (its low end when the
+    memory is unknown)."""
+    low, high = DEFAULT_MAX_QUEUE_RANGE
+    per = max_model_len * QUEUE_BYTES_PER_TOKEN + QUEUE_BYTES_PER_REQUEST
+    if memory is None:
+        return low, f"available memory unknown; {low} to {high}"
+    n = min(high, max(low, memory // QUEUE_MEMORY_SHARE // per))
+    return n, (f"1/{QUEUE_MEMORY_SHARE} of {memory / 2**30:.1f} GiB available at {per // 1024} KiB per waiting request "
+               f"of up to {max_model_len} tokens, within {low} to {high}")
+
+
 def resolve(settings: ServeSettings, *, cuda_available: bool, max_position_embeddings: int,
-            has_mtp: bool, cores: int | None = None,
-            environ: Mapping[str, str] | None = None) -> tuple[ServeSettings, list[tuple[int, str]]]:
+            has_mtp: bool, cores: int | None = None, environ: Mapping[str, str] | None = None,
+            memory: Callable[[], int | None] = available_memory) -> tuple[ServeSettings, list[tuple[int, str]]]:
     """Replace the automatic values by concrete ones, from the machine and the checkpoint's config.
 
     device auto -> cuda when available, else cpu; dtype auto -> float32 on cpu (on cuda it stays auto:
@@ -252,7 +301,8 @@ def resolve(settings: ServeSettings, *, cuda_available: bool, max_position_embed
     cores) minus one, at least 1: the HTTP event loop needs a core, and torch's default of every core makes a
     small model's steps wait on spinning OpenMP threads (bench/RESULTS.md: one client 259-287 tokens/s with 2
     threads vs 722 with 1 on a 2-core box); served_model_name -> MODEL_DIR's name; max_model_len ->
-    min(max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP); cpu_kernel_threads on cpu -> min(2, usable cores)
+    min(max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP); max_queue -> `default_max_queue` of the context and
+    `memory()` (the available host memory, or None when unknown); cpu_kernel_threads on cpu -> min(2, usable cores)
     (the helper thread works only inside large C kernel calls, when torch's threads are idle; on a 2-core box it
     lifts 8 streams' throughput, bench/RESULTS.md); K -> 0 when the checkpoint has no MTP weights; engine_process
     -> False when the research door is armed. Returns the new settings and one (log level, message) note per
@@ -291,6 +341,9 @@ def resolve(settings: ServeSettings, *, cuda_available: bool, max_position_embed
     elif settings.max_model_len > max_position_embeddings:
         raise SettingsError(f"--max-model-len {settings.max_model_len} exceeds the checkpoint's "
                             f"max_position_embeddings ({max_position_embeddings})")
+    if settings.max_queue is None:
+        choose("max_queue", *default_max_queue(update.get("max_model_len", settings.max_model_len),
+                                               memory()))
     if settings.num_speculative_tokens > 0 and not has_mtp:
         choose("num_speculative_tokens", 0, "the checkpoint has no MTP weights: plain decode", logging.WARNING)
     if settings.engine_process and settings.research_opti_controller_q is not None:

@@ -203,7 +203,7 @@ class SpecSession:
     def __init__(self, model: Qwen35ForCausalLM, prompt_ids: list[int], max_new_tokens: int, *, k: int = 3,
                  sampling: SpecSampling = SpecSampling(), constraint: SpecConstraint | None = None,
                  eos_ids: list[int] | tuple[int, ...] | set[int] = (), p_min: float = 0.0,
-                 capmax: int = DEFAULT_CAPMAX, logprobs: int | None = None, hidden_mode: str = "post",
+                 capmax: int = DEFAULT_CAPMAX, logprobs: int | tuple[int, ...] | None = None, hidden_mode: str = "post",
                  max_len: int | None = None, draft_override: Callable[[int, int, int], int] | None = None,
                  stats_line: bool = False, pool: StatePool | None = None, prompt_logprobs: int | None = None):
         if not prompt_ids:
@@ -221,6 +221,8 @@ class SpecSession:
         self.sampling, self.constraint = sampling, constraint
         self.eos = set(eos_ids)
         self.p_min, self.capmax, self.hidden_mode = p_min, capmax, hidden_mode
+        # emitted tokens' logprobs: None = off; n = with the n most likely alternatives; a tuple of token ids = with
+        # those ids' logprobs instead (vLLM's logprob_token_ids)
         self.want_logprobs = logprobs
         # logprobs of each prompt token after the first (and `prompt_logprobs` alternatives), computed during
         # prefill only when asked; [None] + one entry per later prompt token
@@ -572,8 +574,12 @@ class SpecSession:
         if self.want_logprobs is not None:
             lp = torch.log_softmax(rows[:n].float(), dim=-1)  # [n, V]
             chosen = lp.gather(-1, torch.tensor(toks, device=lp.device)[:, None])[:, 0].tolist()
-            top_v, top_i = (torch.topk(lp, min(self.want_logprobs, lp.shape[-1]), dim=-1) if self.want_logprobs > 0
-                            else (lp[:, :0], lp[:, :0].long()))
+            if isinstance(self.want_logprobs, tuple):  # the listed ids
+                top_i = torch.tensor(self.want_logprobs, device=lp.device).expand(n, -1)  # [n, m]
+                top_v = lp.gather(-1, top_i)  # [n, m]
+            else:
+                top_v, top_i = (torch.topk(lp, min(self.want_logprobs, lp.shape[-1]), dim=-1)
+                                if self.want_logprobs > 0 else (lp[:, :0], lp[:, :0].long()))
             for t, c, iv, vv in zip(toks, chosen, top_i.tolist(), top_v.tolist()):
                 self.logprobs.append(TokenLogprob(t, c, list(zip(iv, vv))))
         self.pending = self.emitted[-1]

@@ -19,6 +19,7 @@ import asyncio
 import functools
 import hashlib
 import json
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -29,10 +30,13 @@ import llguidance
 from llguidance import LLMatcher, LLTokenizer
 
 from .errors import GrammarError
-from .tools import JSON_OPTIONS, find_tool, parse_tools, tool_calls_lark
+from .tools import (JSON_OPTIONS, TOOL_CALL_END, TOOL_CALL_START, find_tool, parse_tools, tool_calls_lark,
+                    tool_value_problem, user_problem)
 
 if TYPE_CHECKING:
     from .constraint import GuidanceConstraint
+
+log = logging.getLogger("nextn.grammar")
 
 DEFAULT_MAX_GRAMMAR_BYTES = 256 * 1024  # canonical source text (schema JSON, regex, lark, choices, tools)
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
@@ -183,8 +187,10 @@ def _from_structured_outputs(so: Any) -> GrammarSource | None:
     raise GrammarError(f"{p} is not supported", p)
 
 
-def grammar_text(src: GrammarSource) -> str:
-    """The llguidance grammar string for a source (no tokenizer needed). GrammarError when it cannot be built."""
+def grammar_text(src: GrammarSource, *, tool_call_tokens: bool = True) -> str:
+    """The llguidance grammar string for a source; `tool_call_tokens`: the tokenizer has `<tool_call>` and
+    `</tool_call>` as tokens (`GuidanceTokenizer.tool_call_tokens`; else the tool-call grammar writes them as text).
+    GrammarError when it cannot be built."""
     try:
         if src.kind in ("json_schema", "json_object"):
             return LLMatcher.grammar_from_json_schema(src.text, defaults=dict(src.json_options))
@@ -196,7 +202,8 @@ def grammar_text(src: GrammarSource) -> str:
             return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in json.loads(src.text)))
         if src.kind == "tool_calls":
             specs = parse_tools([{"type": "function", "function": t} for t in json.loads(src.text)], src.param)
-            return LLMatcher.grammar_from_lark(tool_calls_lark(specs, parallel=src.parallel))
+            return LLMatcher.grammar_from_lark(tool_calls_lark(specs, parallel=src.parallel,
+                                                               tags_as_tokens=tool_call_tokens))
     except ValueError as e:  # GrammarError is a ValueError too
         if isinstance(e, GrammarError):
             raise
@@ -217,6 +224,7 @@ class GuidanceTokenizer:
     newline_ids: frozenset[int]  # tokens that are "\n" * n (the chat template's `</think>\n\n` separator)
     key: str  # identity for cache keys: hash of tokenizer.json, n_vocab, eos ids
     special_ids: frozenset[int] = frozenset()  # added tokens other than EOS: special to llguidance (`<[id]>`)
+    tool_call_tokens: bool = True  # `<tool_call>` and `</tool_call>` are tokens (a grammar may name them)
 
     @functools.cached_property
     def _plain_ids(self) -> dict[bytes, int]:
@@ -240,6 +248,7 @@ class GuidanceTokenizer:
             raise ValueError("a grammar constraint needs at least one EOS id")
         llt = LLTokenizer(tokenizer_json, n_vocab=n_vocab, eos_token=list(eos_ids))
         think = llt.tokenize_str(THINK_END, parse_special=True)
+        tags = [llt.tokenize_str(tag, parse_special=True) for tag in (TOOL_CALL_START, TOOL_CALL_END)]
         newlines = set()
         for n in range(1, _MAX_SEPARATOR_NEWLINES + 1):
             ids = llt.tokenize_str("\n" * n)
@@ -251,7 +260,8 @@ class GuidanceTokenizer:
         special = frozenset(a["id"] for a in added if isinstance(a.get("id"), int) and a["id"] < n_vocab
                             and llt.is_special_token(a["id"])) - set(eos_ids)
         return cls(llt, n_vocab, frozenset(eos_ids), think[0] if len(think) == 1 else None, frozenset(newlines),
-                   h.hexdigest()[:16], special)
+                   h.hexdigest()[:16], special,
+                   all(len(ids) == 1 and llt.is_special_token(ids[0]) for ids in tags))
 
     @classmethod
     def from_tokenizer(cls, tok: Any, *, n_vocab: int) -> GuidanceTokenizer:
@@ -318,10 +328,7 @@ class GrammarCompiler:
             return CompileResult(hit, 0.0, True)
         t0 = time.perf_counter()
         try:
-            text = grammar_text(src)
-            m = LLMatcher(self.tokenizer.llt, text, log_level=0)
-            if m.is_error():
-                raise GrammarError(f"invalid {src.param}: {m.get_error().strip()}", src.param)
+            m = self._matcher(src)
             dt = time.perf_counter() - t0
             if dt > self.timeout_s:
                 raise GrammarError(f"{src.param}: grammar compile took {dt:.1f} s, over the {self.timeout_s:g} s "
@@ -332,6 +339,35 @@ class GrammarCompiler:
         compiled = CompiledGrammar(src, self.tokenizer, m, dt)
         self._put(key, compiled)
         return CompileResult(compiled, dt, False)
+
+    def _matcher(self, src: GrammarSource) -> LLMatcher:
+        """The compiled matcher of `src`; GrammarError in the user's terms (`_user_error`)."""
+        try:
+            m = LLMatcher(self.tokenizer.llt, grammar_text(src, tool_call_tokens=self.tokenizer.tool_call_tokens),
+                          log_level=0)
+            if m.is_error():
+                raise GrammarError(f"invalid {src.param}: {m.get_error().strip()}", src.param)
+            return m
+        except GrammarError as e:
+            raise self._user_error(src, e) from None
+
+    @staticmethod
+    def _user_error(src: GrammarSource, err: GrammarError) -> GrammarError:
+        """A failure in the user's terms. A regex's grammar is ours: the regex's problem without that grammar's
+        text. A tool-call grammar is ours too: its failure is told as the tool parameter whose schema or pattern
+        caused it (or, if none alone does, without the grammar's text, which goes to the log). Other sources'
+        messages are about the user's own text (schema, lark) and stay as they are."""
+        if src.kind == "regex":
+            prefix = f"invalid {src.param}: "
+            return GrammarError(prefix + user_problem(err.message.removeprefix(prefix)), src.param)
+        if src.kind != "tool_calls":
+            return err
+        specs = parse_tools([{"type": "function", "function": t} for t in json.loads(src.text)], src.param)
+        found = tool_value_problem(specs)
+        if found is not None:
+            return GrammarError(found[1], found[0])
+        log.warning("a tool-call grammar failed to compile: %s", err.message)
+        return GrammarError("tools: these tools cannot be turned into a tool-call grammar", src.param)
 
     async def compile_async(self, src: GrammarSource) -> CompileResult:
         """`compile` in a worker thread, answered within timeout_s (GrammarError past it; the thread finishes

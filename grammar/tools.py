@@ -12,7 +12,9 @@ The format (engine/chat_template.jinja; calls separated by one newline)::
     </tool_call>
 
 A string-typed VALUE is the raw text; any other VALUE is JSON (the template's `tojson`, i.e. `json.dumps`
-separators ", " and ": "). `<tool_call>` / `</tool_call>` are single added tokens of the Qwen3.5 vocabulary.
+separators ", " and ": "). `<tool_call>` / `</tool_call>` are single added tokens of the Qwen3.5 vocabulary; a
+fine-tune or converted tokenizer may lack them, and then they are text like the rest of the format (the grammar
+writes them as tokens when they are tokens, as text otherwise; the parser reads the decoded text either way).
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ import math
 import re
 from dataclasses import dataclass
 from typing import Any
+
+from llguidance import LLMatcher
 
 from .errors import GrammarError
 
@@ -230,14 +234,21 @@ def _value_rules(rule: str, schema: Any, root: dict[str, Any], out: list[str]) -
     return rule
 
 
-def tool_calls_lark(tools: list[ToolSpec], *, parallel: bool) -> str:
+#: String values are any text without `</parameter>` (a terminal shared by every string parameter's rule).
+_NO_PARAM_END = "NO_PARAM_END: /(?s:.*)/ & ~/(?s:.*)" + _rx(PARAMETER_END) + "(?s:.*)/"
+
+
+def tool_calls_lark(tools: list[ToolSpec], *, parallel: bool, tags_as_tokens: bool = True) -> str:
     """Lark grammar (llguidance dialect) for one call (`parallel` False) or one-or-more newline-separated calls
     to any of `tools`. Parameters follow each schema's `properties` order; required ones must appear, optional
     ones may be skipped; no undeclared parameters. Non-string values are constrained by their JSON schema
     (inline `%json`); string values are raw text free of `</parameter>`, narrowed by enum/const, pattern,
-    minLength/maxLength."""
+    minLength/maxLength. `tags_as_tokens`: `<tool_call>` / `</tool_call>` are the vocabulary's single (special)
+    tokens; False: the tokenizer lacks them, and they are text."""
     if not tools:
         raise GrammarError("a forced tool call needs at least one tool", "tools")
+    open_tag, close_tag = (TOOL_CALL_START, TOOL_CALL_END) if tags_as_tokens else \
+        (_lit(TOOL_CALL_START), _lit(TOOL_CALL_END))
     rules: list[str] = []
     calls: list[str] = []
     for i, t in enumerate(tools):
@@ -248,8 +259,36 @@ def tool_calls_lark(tools: list[ToolSpec], *, parallel: bool) -> str:
             rules.append(f"p{i}_{j}: {_lit(PARAMETER_PREFIX + pname + '>' + chr(10))} {value}")
             params.append(f"p{i}_{j}" if pname in t.required else f"p{i}_{j}?")
         head = _lit("\n" + FUNCTION_PREFIX + t.name + ">\n")
-        rules.append(f"call{i}: {TOOL_CALL_START} {head} {' '.join(params)} {_lit(FUNCTION_END + chr(10))} {TOOL_CALL_END}")
+        rules.append(f"call{i}: {open_tag} {head} {' '.join(params)} {_lit(FUNCTION_END + chr(10))} {close_tag}")
         calls.append(f"call{i}")
-    top = ["start: call" + (' ("\\n" call)*' if parallel else ""), "call: " + " | ".join(calls),
-           "NO_PARAM_END: /(?s:.*)/ & ~/(?s:.*)" + _rx(PARAMETER_END) + "(?s:.*)/"]
+    top = ["start: call" + (' ("\\n" call)*' if parallel else ""), "call: " + " | ".join(calls), _NO_PARAM_END]
     return "\n".join(top + rules) + "\n"
+
+
+def tool_value_problem(tools: list[ToolSpec]) -> tuple[str, str] | None:
+    """The first parameter of `tools` whose value grammar does not compile, as (the request field, the problem in
+    the user's terms: llguidance's message about their schema or pattern, without grammar text), else None. Each
+    value is checked alone, as `tool_calls_lark` writes it (only when the whole grammar failed: it costs a compile
+    per parameter)."""
+    for t in tools:
+        for pname, pschema in t.properties.items():
+            rules: list[str] = []
+            rule = _value_rules("v", pschema, t.parameters, rules)
+            try:
+                problem = LLMatcher.validate_grammar(LLMatcher.grammar_from_lark(
+                    "\n".join([f"start: {rule}", _NO_PARAM_END, *rules]) + "\n"))
+            except ValueError as e:
+                problem = str(e)
+            if problem:
+                return "tools", f"tools: function {t.name!r}, parameter {pname!r}: {user_problem(problem)}"
+    return None
+
+
+def user_problem(message: str) -> str:
+    """llguidance's error message without its place in the grammar (`at 4(7): `) or the grammar lines it quotes."""
+    lines = []
+    for line in re.sub(r"^at \d+\(\d+\): ", "", message.strip()).splitlines():
+        if re.match(r"^\s*\d+ \| ", line):
+            break
+        lines.append(line)
+    return "\n".join(lines).strip().removeprefix("failed to compile JSON schema: ")

@@ -1,10 +1,12 @@
 """FastAPI app: thin routes over the serving classes in `app.state`.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, GET /v1/models and
-GET /v1/models/{model_id}; vLLM's POST /tokenize and POST /detokenize (the API key, when configured, is checked
-on these and on every /v1 route); GET /version, GET /health (liveness), GET /ready (200 when serving, 503
-while draining or if the worker died), GET /metrics (Prometheus text), GET /openapi.json and GET /docs (the
-schema of every route, request body and error response). Every error is an OpenAI error body
+GET /v1/models/{model_id}; vLLM's POST /tokenize, POST /detokenize and POST /invocations (SageMaker-style: a chat
+completion or completion body; the API key, when configured, is checked on these and on every /v1 route);
+GET /version, GET /health (liveness) and GET|POST /ping (SageMaker's name for it), GET /load (vLLM's server load:
+generation requests in flight), GET /ready (200 when serving, 503 while draining or if the worker died),
+GET /metrics (Prometheus text), GET /openapi.json and GET /docs (the schema of every route, request body and
+error response). Every error is an OpenAI error body
 (`serving.APIError`).
 
 Each request's work is tied to its connection: a client that leaves, at any point, has its jobs
@@ -19,7 +21,7 @@ import importlib.metadata
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import pydantic_core
@@ -45,7 +47,7 @@ MAX_BODY_BYTES = 8 * 1024 * 1024
 REQUEST_MODELS: tuple[type[BaseModel], ...] = (p.ChatCompletionRequest, p.CompletionRequest, p.ResponsesRequest,
                                                p.TokenizeRequest, p.DetokenizeRequest)
 #: Models only described in text (the SSE events), added to /openapi.json's components so they can be read.
-EVENT_MODELS: tuple[type[BaseModel], ...] = (p.ChatCompletionChunk, p.ResponseStreamEvent)
+EVENT_MODELS: tuple[type[BaseModel], ...] = (p.ChatCompletionChunk, p.CompletionChunk, p.ResponseStreamEvent)
 _M = TypeVar("_M", bound=BaseModel)
 
 
@@ -84,12 +86,22 @@ def parse_body(model: type[_M], body: bytes) -> _M:
     the offending field's dotted path (pydantic's union-member tags left out). Validation is strict, as
     OpenAI's: a JSON value of another type is never coerced ("2" is no number, 0 no boolean, 2.0 no integer),
     so what the OpenAPI schema rejects the server rejects too."""
+    return validate_body(model, json_object(body))
+
+
+def json_object(body: bytes) -> dict[str, Any]:
+    """JSON bytes -> a dict; 400 (code invalid_json) as `parse_body` says."""
     try:
         data = pydantic_core.from_json(body)
     except ValueError as e:
         raise APIError(400, f"malformed JSON body: {printable(e)}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    return data
+
+
+def validate_body(model: type[_M], data: dict[str, Any]) -> _M:
+    """A JSON object -> `model`, strictly; 400 as `parse_body` says."""
     try:
         return model.model_validate(data, strict=True)
     except ValidationError as e:
@@ -163,21 +175,81 @@ async def _relay(stream: SSEStream, watcher: asyncio.Future[None]) -> AsyncItera
         await stream.body.aclose()  # type: ignore[attr-defined]
 
 
-async def _generate(raw: Request, serving: ServingChat | ServingCompletion | ServingResponses,
-                    model: type[p.ChatCompletionRequest] | type[p.CompletionRequest] | type[p.ResponsesRequest]
-                    ) -> Response:
+Serving = ServingChat | ServingCompletion | ServingResponses
+
+
+class ServerLoad:
+    """vLLM's server-load figure (GET /load): generation requests in flight, each counted from the arrival of its
+    body until its response is done (a stream: its last event sent, or its client gone). Event-loop only."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def enter(self) -> None:
+        self.value += 1
+
+    def leave(self) -> None:
+        self.value -= 1
+
+
+async def _generate(raw: Request, parse: Callable[[bytes], tuple[Serving, BaseModel]]) -> Response:
     """A generation route: read the body, then, counted as preparing by the server's `Admission` until its jobs
-    are submitted (requests that arrive together start together), parse it and respond."""
+    are submitted (requests that arrive together start together), `parse` it into the serving class that answers
+    it and its request (in a worker thread), and respond. Counted in the server load until the response is done."""
     body = await read_body(raw)
-    with serving.admission.preparing():
-        req = await asyncio.to_thread(parse_body, model, body)
-        return await _respond(raw, serving.create(req))  # type: ignore[arg-type]
+    load: ServerLoad = raw.app.state.load
+    load.enter()
+    streaming = False
+    try:
+        with raw.app.state.serving_chat.admission.preparing():
+            serving, req = await asyncio.to_thread(parse, body)
+            response = await _respond(raw, serving.create(req), on_stream_end=load.leave)  # type: ignore[arg-type]
+            streaming = isinstance(response, StreamingResponse)
+            return response
+    finally:
+        if not streaming:
+            load.leave()
 
 
-async def _respond(raw: Request, work: Awaitable[BaseModel | SSEStream]) -> Response:
+def _parser(serving: Serving, model: type[BaseModel]) -> Callable[[bytes], tuple[Serving, BaseModel]]:
+    """`_generate`'s `parse` for a route with one request model."""
+    return lambda body: (serving, parse_body(model, body))
+
+
+#: What /invocations serves, in vLLM's order (the first whose body fits wins): the field that marks the body, its
+#: request model and the `app.state` serving class that answers it.
+INVOCATIONS: tuple[tuple[str, type[BaseModel], str], ...] = (
+    ("messages", p.ChatCompletionRequest, "serving_chat"), ("prompt", p.CompletionRequest, "serving_completion"))
+
+
+def _invocation(state: Any) -> Callable[[bytes], tuple[Serving, BaseModel]]:
+    """/invocations' `parse` (SageMaker-style, as vLLM serves it): a body with `messages` is a chat completion, one
+    with `prompt` a completion (a body with both: the first that validates); 400 for neither, or the first
+    candidate's validation error."""
+
+    def parse(body: bytes) -> tuple[Serving, BaseModel]:
+        data = json_object(body)
+        errors: list[APIError] = []
+        for key, model, serving in INVOCATIONS:
+            if key in data:
+                try:
+                    return getattr(state, serving), validate_body(model, data)
+                except APIError as e:
+                    errors.append(e)
+        if errors:
+            raise errors[0]
+        raise APIError(400, "an invocation is a chat completion body (with messages) or a completion body (with "
+                            "prompt)", param="messages")
+
+    return parse
+
+
+async def _respond(raw: Request, work: Awaitable[BaseModel | SSEStream],
+                   on_stream_end: Callable[[], None] = lambda: None) -> Response:
     """The response for `work` (a serving `create`), tied to the connection: a client that leaves while
     it runs cancels it; a stream's jobs are cancelled as soon as the client leaves, even if the stream's
-    body is never iterated (a client gone before the first chunk)."""
+    body is never iterated (a client gone before the first chunk). `on_stream_end` runs once when a stream
+    is over (sent, or its client gone)."""
     result = await _until_disconnect(raw, work)
     if result is None:  # the client left; nobody reads this
         return Response(status_code=499)
@@ -185,6 +257,7 @@ async def _respond(raw: Request, work: Awaitable[BaseModel | SSEStream]) -> Resp
         return Response(result.model_dump_json(), media_type="application/json")
     watcher = asyncio.ensure_future(_disconnected(raw))
     watcher.add_done_callback(lambda _: result.cancel())
+    watcher.add_done_callback(lambda _: on_stream_end())
     return StreamingResponse(_relay(result, watcher), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})
 
@@ -204,6 +277,10 @@ _ERROR_DOCS = {
 }
 
 
+#: What a generating route may answer besides 200.
+GENERATION_ERRORS = (400, 401, 404, 408, 413, 429, 500, 503)
+
+
 def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
     docs: dict[int | str, dict[str, Any]] = {c: {"model": p.ErrorResponse, "description": _ERROR_DOCS[c]}
                                              for c in codes}
@@ -212,10 +289,14 @@ def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
     return docs
 
 
-def _sse_event(chunk: type[BaseModel]) -> dict[str, Any]:
+def _ref(model: type[BaseModel]) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+
+def _sse_event(*chunks: type[BaseModel]) -> dict[str, Any]:
     """The schema of one server-sent event of a stream (an OpenAPI 3.1 `text/event-stream` schema describes one
-    event): its `data` is a `chunk` or an ErrorResponse as JSON, or the literal `[DONE]`."""
-    payload = {"anyOf": [{"$ref": f"#/components/schemas/{m.__name__}"} for m in (chunk, p.ErrorResponse)]}
+    event): its `data` is one of `chunks` or an ErrorResponse as JSON, or the literal `[DONE]`."""
+    payload = {"anyOf": [_ref(m) for m in (*chunks, p.ErrorResponse)]}
     return {"type": "object", "required": ["data"], "properties": {"data": {"anyOf": [
         {"const": "[DONE]"},
         {"type": "string", "contentMediaType": "application/json", "contentSchema": payload}]}}}
@@ -231,16 +312,34 @@ def _body_route(model: type[BaseModel], response: type[BaseModel], chunk: type[B
             f"; with `stream: true` a text/event-stream of `data: <{chunk.__name__} JSON>` events ending with "
             f"`data: [DONE]` (an error mid-stream is a `data: <ErrorResponse JSON>` event)")
         ok["content"] = {"text/event-stream": {"schema": _sse_event(chunk)}}
-    codes = (400, 401, 404, 408, 413, 429, 500, 503) if chunk is not None else (400, 401, 404, 408, 413, 500)
+    codes = GENERATION_ERRORS if chunk is not None else (400, 401, 404, 408, 413, 500)
     return {
         "openapi_extra": {"requestBody": {"required": True, "content": {"application/json": {
-            "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}},
+            "schema": _ref(model)}}}},
         "responses": {200: ok, **_errors(*codes)},
     }
 
 
+def _invocations_route() -> dict[str, Any]:
+    """Route arguments documenting /invocations: a body of any of INVOCATIONS' request models, answered as that
+    model's route answers it (JSON, or SSE events when `stream` is true), with the generating routes' errors."""
+    ok = {"description": "what /v1/chat/completions (a body with messages) or /v1/completions (a body with prompt) "
+                         "answers: a ChatCompletionResponse or CompletionResponse, or with `stream: true` their "
+                         "text/event-stream", "content": {
+                             "application/json": {"schema": {"anyOf": [_ref(p.ChatCompletionResponse),
+                                                                       _ref(p.CompletionResponse)]}},
+                             "text/event-stream": {"schema": _sse_event(p.ChatCompletionChunk, p.CompletionChunk)}}}
+    return {"openapi_extra": {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"anyOf": [_ref(model) for _, model, _ in INVOCATIONS]}}}}},
+        "responses": {200: ok, **_errors(*GENERATION_ERRORS)}}
+
+
 class HealthStatus(BaseModel):
     status: str
+
+
+#: Routes outside /v1 that need the API key (the `tokens` router's).
+KEYED_PATHS = ("/tokenize", "/detokenize", "/invocations")
 
 
 _HEALTH_DOCS: dict[int | str, dict[str, Any]] = {
@@ -262,7 +361,7 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
         if app.state.api_key is not None:
             components["securitySchemes"] = {"bearerAuth": {"type": "http", "scheme": "bearer"}}
             for path, ops in schema["paths"].items():
-                if path.startswith("/v1/") or path in ("/tokenize", "/detokenize"):
+                if path.startswith("/v1/") or path in KEYED_PATHS:
                     for op in ops.values():
                         op["security"] = [{"bearerAuth": []}]
         app.openapi_schema = schema
@@ -277,13 +376,13 @@ v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
 @v1.post("/chat/completions", summary="Create a chat completion",
          **_body_route(p.ChatCompletionRequest, p.ChatCompletionResponse, p.ChatCompletionChunk))
 async def create_chat_completion(raw: Request) -> Response:
-    return await _generate(raw, raw.app.state.serving_chat, p.ChatCompletionRequest)
+    return await _generate(raw, _parser(raw.app.state.serving_chat, p.ChatCompletionRequest))
 
 
 @v1.post("/completions", summary="Create a completion (legacy)",
-         **_body_route(p.CompletionRequest, p.CompletionResponse, p.CompletionResponse))
+         **_body_route(p.CompletionRequest, p.CompletionResponse, p.CompletionChunk))
 async def create_completion(raw: Request) -> Response:
-    return await _generate(raw, raw.app.state.serving_completion, p.CompletionRequest)
+    return await _generate(raw, _parser(raw.app.state.serving_completion, p.CompletionRequest))
 
 
 @v1.post("/responses", summary="Create a response (OpenAI Responses API; text in and out)",
@@ -293,7 +392,7 @@ async def create_completion(raw: Request) -> Response:
              "content_part.added, output_text.delta / reasoning_text.delta, their .done, output_item.done, then "
              "response.completed (an error mid-stream is an `error` event)")))
 async def create_response(raw: Request) -> Response:
-    return await _generate(raw, raw.app.state.serving_responses, p.ResponsesRequest)
+    return await _generate(raw, _parser(raw.app.state.serving_responses, p.ResponsesRequest))
 
 
 @v1.get("/models", summary="List the served model", responses=_errors(401, 500))
@@ -331,6 +430,12 @@ async def detokenize(raw: Request) -> Response:
     return Response(result.model_dump_json(), media_type="application/json")
 
 
+@tokens.post("/invocations", summary="SageMaker-style inference (vLLM): a chat completion or a completion",
+             **_invocations_route())
+async def invocations(raw: Request) -> Response:
+    return await _generate(raw, _invocation(raw.app.state))
+
+
 ops = APIRouter()
 
 
@@ -343,6 +448,17 @@ async def version(raw: Request) -> p.VersionResponse:
 async def health(raw: Request) -> JSONResponse:
     alive = raw.app.state.worker.alive
     return JSONResponse({"status": "ok" if alive else "worker dead"}, status_code=200 if alive else 503)
+
+
+@ops.get("/ping", summary="SageMaker's health check (vLLM): as /health", responses=_HEALTH_DOCS)
+@ops.post("/ping", summary="SageMaker's health check (vLLM): as /health", responses=_HEALTH_DOCS)
+async def ping(raw: Request) -> JSONResponse:
+    return await health(raw)
+
+
+@ops.get("/load", summary="Server load (vLLM): generation requests in flight")
+async def load(raw: Request) -> p.ServerLoadResponse:
+    return p.ServerLoadResponse(server_load=raw.app.state.load.value)
 
 
 @ops.get("/ready", summary="Readiness: serving, not draining", responses=_HEALTH_DOCS)
@@ -418,6 +534,7 @@ def build_app(*, serving_chat: ServingChat, serving_completion: ServingCompletio
     app.state.worker = worker
     app.state.metrics = metrics
     app.state.api_key = api_key
+    app.state.load = ServerLoad()
     app.state.timeout_body = timeout_body
     app.state.model_list = p.ModelList(data=[p.ModelCard(
         id=serving_chat.model_name, created=int(time.time()), root=model_root,

@@ -160,7 +160,8 @@ def build_server(settings: ServeSettings, model: Any, tokenizer: Any, **worker_k
     from server.serving import ServingChat, ServingCompletion
     from server.structured import StructuredOutputs
 
-    assert settings.served_model_name is not None and settings.max_model_len is not None, "resolve settings first"
+    assert settings.served_model_name is not None and settings.max_model_len is not None and \
+        settings.max_queue is not None, "resolve settings first"
     k = settings.num_speculative_tokens
     metrics = ServingMetrics(settings.served_model_name, num_spec_tokens=k,
                              compat_vllm=settings.metrics_compat == "vllm",
@@ -193,7 +194,7 @@ def build_server(settings: ServeSettings, model: Any, tokenizer: Any, **worker_k
                                    cache_size=settings.grammar_cache_size)
     common: dict[str, Any] = dict(tokenizer=tokenizer, worker=worker, model_name=settings.served_model_name,
                                   max_model_len=settings.max_model_len, vocab_size=cfg.vocab_size, k=k,
-                                  structured=structured)
+                                  structured=structured, max_logprobs=settings.max_logprobs)
     chat = ServingChat(special_tokens_in_content=settings.allow_special_tokens_in_content, **common)
     api_key = settings.api_key.get_secret_value() if settings.api_key is not None else None
     app = build_app(serving_chat=chat, serving_completion=ServingCompletion(**common), worker=worker,
@@ -258,8 +259,8 @@ class NextnServer(uvicorn.Server):
         await super().startup(sockets)
         if self.started:
             s = self.settings
-            log.info("nextn serving model=%s device=%s dtype=%s K=%d url=%s", s.served_model_name, s.device,
-                     self.dtype, s.num_speculative_tokens, s.url)
+            log.info("nextn serving model=%s device=%s dtype=%s K=%d url=%s max_queue=%d", s.served_model_name,
+                     s.device, self.dtype, s.num_speculative_tokens, s.url, s.max_queue)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:

@@ -81,7 +81,7 @@ class _JobSpec:
     max_new_tokens: int
     sampling: Any
     eos_ids: list[int]
-    logprobs: int | None
+    logprobs: int | tuple[int, ...] | None
     prompt_logprobs: int | None
     grammar: Any  # GrammarSource, or None
     reasoning: bool

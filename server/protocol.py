@@ -17,8 +17,12 @@ from pydantic import (BaseModel, ConfigDict, Field, PlainValidator, StrictInt, S
 
 from engine.spec import SpecSampling
 
-#: `top_logprobs` / completions `logprobs` upper bound (OpenAI's own limit is 20).
-MAX_TOP_LOGPROBS = 20
+#: `logprob_token_ids` per request (vLLM's MAX_LOGPROB_TOKEN_IDS). How many logprobs a request may ask for is the
+#: server's --max-logprobs, checked by the server.
+MAX_LOGPROB_TOKEN_IDS = 128
+#: Characters of a chat message's `role` (any role the chat template renders), and OpenAI's own roles.
+MAX_ROLE_CHARS = 64
+OPENAI_ROLES = ("system", "developer", "user", "assistant", "tool")
 #: Stop strings per request (OpenAI allows 4; vLLM does not bound them) and characters per stop string.
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
@@ -139,7 +143,9 @@ class ContentPart(OpenAIBaseModel):
 
 
 class ChatMessage(OpenAIBaseModel):
-    role: Literal["developer", "system", "user", "assistant", "tool"]
+    role: str = Field(min_length=1, max_length=MAX_ROLE_CHARS,
+                      description="system, developer (= system), user, assistant, tool, or any other role the chat "
+                                  "template renders (vLLM's behaviour; the template refuses what it cannot render)")
     content: str | Annotated[list[ContentPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
@@ -174,13 +180,25 @@ class _SamplingFields(OpenAIBaseModel):
     stop_token_ids: list[StrictInt] | None = Field(
         None, max_length=MAX_STOP_TOKEN_IDS, description="token ids that end a choice like EOS (finish_reason stop)")
     prompt_logprobs: int | None = Field(
-        None, ge=0, le=MAX_TOP_LOGPROBS, description="logprobs of every prompt token plus this many alternatives "
-                                                     "(computed during prefill; not with stream)")
-    truncate_prompt_tokens: int | None = Field(None, ge=1, description="keep only the last N prompt tokens")
+        None, ge=-1, description="logprobs of every prompt token plus this many alternatives (-1: the whole "
+                                 "vocabulary; at most --max-logprobs; computed during prefill; not with stream)")
+    truncate_prompt_tokens: int | None = Field(
+        None, ge=-1, description="keep only N prompt tokens (truncation_side says which); -1: as many as the context "
+                                 "leaves after the requested max tokens")
+    truncation_side: Literal["left", "right"] | None = Field(
+        None, description="with truncate_prompt_tokens: left (the default) keeps the last N tokens, right the first N")
+    logprob_token_ids: list[StrictInt] | None = Field(
+        None, min_length=1, max_length=MAX_LOGPROB_TOKEN_IDS,
+        description="with logprobs: the logprobs of these token ids at each generated position, instead of the most "
+                    "likely alternatives")
     return_tokens_as_token_ids: bool = Field(
         False, description="logprobs name tokens as `token_id:N` (for tokens that are not valid UTF-8 alone)")
     skip_special_tokens: bool = Field(True, description="drop special tokens from the output text")
     include_stop_str_in_output: bool = Field(False, description="keep the matched stop string in the text")
+    # --- vLLM's beam search: not supported, a 400 naming the field ---
+    use_beam_search: bool = Field(False, description="beam search is not supported (400 when true)")
+    length_penalty: float = Field(1.0, description="beam search only: 400 unless 1")
+    early_stopping: bool = Field(False, description="beam search only: 400 when true")
 
     def to_sampling(self) -> SpecSampling:
         """The engine's sampling parameters (temperature 0 is the exact greedy path)."""
@@ -222,7 +240,8 @@ class ChatCompletionRequest(_SamplingFields):
                           '{"type": "function", "function": {"name": ...}} (the output is constrained to calls)')
     tools: list[dict[str, Any]] | None = Field(None, max_length=MAX_OBJECT_FIELDS,
                                                description="function tools (rendered into the prompt)")
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=-1, description="alternatives per token, with logprobs true (-1: the "
+                                                              "whole vocabulary; at most --max-logprobs)")
     # --- nextn extras ---
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, max_length=MAX_OBJECT_FIELDS,
@@ -270,7 +289,8 @@ class CompletionRequest(_SamplingFields):
     model: str
     prompt: Prompt
     echo: bool = Field(False, description="the text starts with the prompt (and logprobs cover its tokens)")
-    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    logprobs: int | None = Field(None, ge=-1, description="alternatives per token (-1: the whole vocabulary; at most "
+                                                          "--max-logprobs)")
     max_tokens: int | None = 16
     best_of: int | None = Field(None, ge=1, description="only best_of == n (no server-side ranking)")
     suffix: str | None = Field(None, description="not supported (400 when non-empty)")
@@ -410,7 +430,8 @@ class ChatCompletionChoice(BaseModel):
     message: ChatResponseMessage
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: FinishReason | None
-    token_ids: list[int] | None = Field(None, exclude_if=_omit_none)
+    token_ids: list[int] | None = Field(None, description="vLLM's: the choice's token ids (return_token_ids; else "
+                                                          "null)")
 
 
 class ChatCompletionResponse(BaseModel):
@@ -421,8 +442,9 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
-    prompt_token_ids: list[int] | None = Field(None, exclude_if=_omit_none)
-    prompt_logprobs: PromptLogprobs | None = Field(None, exclude_if=_omit_none)
+    prompt_token_ids: list[int] | None = Field(None, description="vLLM's: the prompt's token ids (return_token_ids; "
+                                                                 "else null)")
+    prompt_logprobs: PromptLogprobs | None = Field(None, description="vLLM's (prompt_logprobs; else null)")
 
 
 class DeltaFunctionCall(BaseModel):
@@ -475,10 +497,22 @@ class CompletionLogprobs(BaseModel):
 
 
 class CompletionChoice(BaseModel):
+    """vLLM's extras are present as null when not asked for (a client reading the attribute gets None)."""
+
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None
+    prompt_token_ids: list[int] | None = Field(None, description="vLLM's: the prompt's token ids (return_token_ids; "
+                                                                 "else null)")
+    token_ids: list[int] | None = Field(None, description="vLLM's: the choice's token ids (return_token_ids; else "
+                                                          "null)")
+    prompt_logprobs: PromptLogprobs | None = Field(None, description="vLLM's (prompt_logprobs; else null)")
+
+
+class CompletionStreamChoice(CompletionChoice):
+    """A streamed piece of a choice: vLLM's extras only when there is something to send (as vLLM's stream)."""
+
     prompt_token_ids: list[int] | None = Field(None, exclude_if=_omit_none)
     token_ids: list[int] | None = Field(None, exclude_if=_omit_none)
     prompt_logprobs: PromptLogprobs | None = Field(None, exclude_if=_omit_none)
@@ -492,6 +526,13 @@ class CompletionResponse(BaseModel):
     choices: list[CompletionChoice]
     usage: UsageInfo | None
     system_fingerprint: str | None = None
+
+
+class CompletionChunk(CompletionResponse):
+    """One event of a streamed completion: a piece of one choice, or (`choices: []`) the usage."""
+
+    choices: list[CompletionStreamChoice]
+    usage: UsageInfo | None = None
 
 
 class ModelCard(BaseModel):
@@ -510,6 +551,14 @@ class ModelList(BaseModel):
 
 class VersionResponse(BaseModel):
     version: str
+
+
+class ServerLoadResponse(BaseModel):
+    """vLLM's GET /load."""
+
+    server_load: int = Field(description="generation requests in flight (/v1/chat/completions, /v1/completions, "
+                                         "/v1/responses, /invocations): from their body's arrival until their "
+                                         "response is done")
 
 
 class TokenizeRequest(OpenAIBaseModel):

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from config.settings import DEFAULT_MAX_LOGPROBS
 from engine.spec import SpecConstraint, SpecTelemetry, TokenLogprob
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from grammar import GrammarError, GrammarSource, ToolCallDelta, source_from_request
@@ -28,7 +29,8 @@ from grammar.parsers import THINK_END
 from metrics.prometheus import ServingMetrics
 from server import protocol as p
 from server.admission import Admission
-from server.structured import ChatOutput, OutputDelta, StructuredOutputs, grammar_error, opens_reasoning
+from server.structured import (ChatOutput, OutputDelta, StructuredOutputs, grammar_error, opens_reasoning,
+                               tool_tags_are_special)
 from server.worker import Job, JobEvent, QueueFull, Unavailable, Worker
 
 log = logging.getLogger("nextn.serving")
@@ -271,6 +273,7 @@ class _Prepared:
     grammar: GrammarSource | None = None  # chat: the constraint the request asks for
     in_reasoning: bool = False  # chat: the prompt leaves a <think> block open
     echo: str = ""  # text the output starts with (chat and completions `echo`)
+    keep_special: bool = False  # decode special tokens whatever skip_special_tokens says (tool tags that are special)
 
 
 class Generation:
@@ -373,32 +376,39 @@ class OpenAIServing:
     """Shared by the endpoints. `k` is the server's speculation depth (0 = plain decode)."""
 
     def __init__(self, *, tokenizer: Tokenizer, worker: Worker, model_name: str, max_model_len: int,
-                 vocab_size: int, k: int, structured: StructuredOutputs | None = None) -> None:
-        """`structured`: the grammar compiler (None: requests that need a grammar get 400)."""
+                 vocab_size: int, k: int, structured: StructuredOutputs | None = None,
+                 max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> None:
+        """`structured`: the grammar compiler (None: requests that need a grammar get 400); `max_logprobs`: the most
+        logprobs a request may ask for per token (vLLM's --max-logprobs; -1: the whole vocabulary)."""
         self.tokenizer, self.worker = tokenizer, worker
         #: how jobs reach the worker (`build_app` makes every endpoint of a server share one)
         self.admission = Admission(worker)
         self.model_name, self.max_model_len = model_name, max_model_len
         self.vocab_size, self.k = vocab_size, k
         self.structured = structured
-        #: Token ids a request may name: the tokenizer's (the model's logit rows past it are padding).
+        #: Token ids a prompt may name: the tokenizer's (the model's logit rows past it are padding).
         self.n_tokens = min(vocab_size, tokenizer.vocab_size)
+        self.max_logprobs = vocab_size if max_logprobs == -1 else max_logprobs
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise APIError(404, f"The model `{printable(model, 100)}` does not exist.", param="model",
                            code="model_not_found")
 
-    def check_ids(self, ids: Sequence[int], param: str) -> None:
-        """Every id names a token of the vocabulary (400 naming the first that does not)."""
-        bad = next((t for t in ids if not 0 <= t < self.n_tokens), None)
+    def check_ids(self, ids: Sequence[int], param: str, *, model_rows: bool = False) -> None:
+        """Every id names a token of the tokenizer (prompt ids) or, with `model_rows`, a row of the model's logits:
+        any id below the config's vocab_size, padding rows included, as vLLM validates logit_bias, stop_token_ids
+        and logprob_token_ids. 400 naming the first id that does not and the size it is checked against."""
+        n = self.vocab_size if model_rows else self.n_tokens
+        bad = next((t for t in ids if not 0 <= t < n), None)
         if bad is not None:
-            raise APIError(400, f"{param}: token id {bad} is out of range: the vocabulary has {self.n_tokens} "
-                                f"tokens (ids 0 to {self.n_tokens - 1})", param=param)
+            size = f"the model's vocabulary size is {n}" if model_rows else f"the vocabulary has {n} tokens"
+            raise APIError(400, f"{param}: token id {bad} is out of range: {size} (ids 0 to {n - 1})", param=param)
 
     def check(self, req: p.ChatCompletionRequest | p.CompletionRequest, n_prompts: int = 1) -> None:
         """Checks shared by both endpoints: the model exists, the choices fit the queue, every choice's seed is
-        in range, token ids name tokens, stream_options only with stream. Logs the unknown fields."""
+        in range, token ids name tokens, stream_options only with stream, no beam search, the logprobs asked for
+        (`check_logprobs`). Logs the unknown fields."""
         log_ignored_fields(req)
         self.check_model(req.model)
         if req.stream_options is not None and not req.stream:
@@ -410,8 +420,42 @@ class OpenAIServing:
             raise APIError(400, f"{what} must be <= {self.worker.max_queue} (the admission queue size)", param="n")
         if req.seed is not None and req.seed + req.n - 1 > p.SEED_MAX:
             raise APIError(400, f"seed + n - 1 must be <= {p.SEED_MAX} (choice i uses seed + i)", param="seed")
-        self.check_ids(list(req.logit_bias_ids()), "logit_bias")
-        self.check_ids(req.stop_token_ids or [], "stop_token_ids")
+        self.check_ids(list(req.logit_bias_ids()), "logit_bias", model_rows=True)
+        self.check_ids(req.stop_token_ids or [], "stop_token_ids", model_rows=True)
+        for name, why in _BEAM_FIELDS.items():
+            if getattr(req, name) != type(req).model_fields[name].default:  # asks for beam search
+                raise APIError(400, f"{name}: {why}", param=name)
+        self.check_logprobs(req)
+
+    def check_logprobs(self, req: p.ChatCompletionRequest | p.CompletionRequest) -> None:
+        """vLLM's logprobs rules: a count of -1 means the whole vocabulary, and no count may exceed --max-logprobs;
+        chat's top_logprobs needs logprobs true; logprob_token_ids needs logprobs and names rows of the model's
+        logits."""
+        chat = isinstance(req, p.ChatCompletionRequest)
+        param = "top_logprobs" if chat else "logprobs"
+        if chat and not req.logprobs and req.top_logprobs is not None and req.top_logprobs != 0:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        for name, value, what in ((param, req.num_logprobs, "sample"), ("prompt_logprobs", req.prompt_logprobs,
+                                                                         "prompt")):
+            n = self.logprob_count(value)
+            if n is not None and n > self.max_logprobs:
+                raise APIError(400, f"{name}: requested {what} logprobs of {n}, which is greater than max allowed: "
+                                    f"{self.max_logprobs} (the server's --max-logprobs)", param=name)
+        if req.logprob_token_ids is not None:
+            if req.num_logprobs is None:
+                raise APIError(400, f"logprob_token_ids needs {'logprobs: true' if chat else 'logprobs'}",
+                               param="logprob_token_ids")
+            self.check_ids(req.logprob_token_ids, "logprob_token_ids", model_rows=True)
+
+    def logprob_count(self, n: int | None) -> int | None:
+        """A request's logprobs count with -1 (vLLM's: the whole vocabulary) resolved."""
+        return self.vocab_size if n == -1 else n
+
+    def job_logprobs(self, req: p.ChatCompletionRequest | p.CompletionRequest) -> int | tuple[int, ...] | None:
+        """What each job records per emitted token (`SpecSession`'s `logprobs`): nothing, the n most likely
+        alternatives, or the logprobs of `logprob_token_ids` instead."""
+        n = self.logprob_count(req.num_logprobs)
+        return tuple(req.logprob_token_ids) if n is not None and req.logprob_token_ids else n
 
     def grammar_source(self, req: p.ChatCompletionRequest | p.CompletionRequest, **tools: Any) -> GrammarSource | None:
         """The grammar the request asks for (None: free output); 400 for a bad source or min_tokens with one."""
@@ -435,9 +479,18 @@ class OpenAIServing:
         return await self.structured.constraint_factory(grammar, reasoning=prep.in_reasoning)
 
     def truncate(self, req: p.ChatCompletionRequest | p.CompletionRequest, ids: list[int]) -> list[int]:
-        """`truncate_prompt_tokens`: keep the last N prompt tokens."""
+        """vLLM's `truncate_prompt_tokens`: keep N prompt tokens, the last N (`truncation_side` left, the default) or
+        the first N (right); -1 keeps as many as the context leaves after the requested max tokens. 400 for an N
+        below 1 or over that room."""
         n = req.truncate_prompt_tokens
-        return ids[-n:] if n is not None else ids
+        if n is None:
+            return ids
+        room = self.max_model_len - (req.max_new_tokens or 0)
+        keep = room if n == -1 else n
+        if not 1 <= keep <= room:
+            raise APIError(400, f"truncate_prompt_tokens must be -1 or 1 to {room} (the context, {self.max_model_len} "
+                                f"tokens, less the requested max tokens), got {n}", param="truncate_prompt_tokens")
+        return ids[:keep] if req.truncation_side == "right" else ids[-keep:]
 
     def budget(self, prompt_ids: list[int], requested: int | None, *, param: str, prompt_param: str,
                min_tokens: int = 0) -> _Prepared:
@@ -470,6 +523,7 @@ class OpenAIServing:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[JobEvent] = asyncio.Queue()
         sampling = req.to_sampling()
+        logprobs = self.job_logprobs(req)
         eos = ([] if req.ignore_eos else list(self.tokenizer.eos_token_ids)) + list(req.stop_token_ids or [])
         stops = req.stop_strings()
         jobs, choices = [], []
@@ -477,11 +531,11 @@ class OpenAIServing:
             for i in range(req.n):
                 s = sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + i)
                 index = len(jobs)
-                jobs.append(Job(index, prep.prompt_ids, prep.max_new_tokens, s, eos, req.num_logprobs, loop, events,
+                jobs.append(Job(index, prep.prompt_ids, prep.max_new_tokens, s, eos, logprobs, loop, events,
                                 constraint=constraint() if constraint is not None else None,
                                 prompt_logprobs=prompt_logprobs if i == 0 else None))
                 choices.append(ChoiceState(index, self.tokenizer, prep.prompt_ids, stops,
-                                           skip_special_tokens=req.skip_special_tokens,
+                                           skip_special_tokens=req.skip_special_tokens and not prep.keep_special,
                                            include_stop=req.include_stop_str_in_output, stop_ids=frozenset(eos),
                                            reasoning=prep.in_reasoning))
         try:
@@ -525,6 +579,10 @@ def _content_text(content: str | list[p.ContentPart] | None) -> str:
     return content if isinstance(content, str) else "\n".join(part.text or "" for part in content or [])
 
 
+#: vLLM's beam-search fields (a 400 naming the field when it asks for beam search), with why.
+_BEAM_FIELDS = {"use_beam_search": "beam search is not supported", "length_penalty": "applies to beam search only, "
+                "which is not supported (leave it at 1)", "early_stopping": "applies to beam search only, which is "
+                                                                            "not supported"}
 #: Chat fields nextn knows and cannot honour (each a 400 naming it), with why.
 _CHAT_UNSUPPORTED = {"functions": "deprecated: use tools", "function_call": "deprecated: use tool_choice",
                      "audio": "audio output is not supported", "prediction": "predicted outputs are not supported",
@@ -554,7 +612,8 @@ class ServingChat(OpenAIServing):
         """Prepare (in a thread), compile the grammar, submit the jobs."""
         prep = await asyncio.to_thread(self._prepare, req)
         constraint = await self.constraint(prep)
-        return prep, await self.start(req, [prep], constraint, prompt_logprobs=req.prompt_logprobs)
+        n = self.logprob_count(req.prompt_logprobs)
+        return prep, await self.start(req, [prep], constraint, prompt_logprobs=n)
 
     def _prepare(self, req: p.ChatCompletionRequest) -> _Prepared:
         """Checks, the grammar source, chat template and tokenization (runs in a worker thread)."""
@@ -578,6 +637,7 @@ class ServingChat(OpenAIServing):
                            param="max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
         prep.grammar = src
         prep.in_reasoning = opens_reasoning(self.tokenizer, prep.prompt_ids)
+        prep.keep_special = self.parses_tools(req) and tool_tags_are_special(self.tokenizer)
         last = req.messages[-1]
         if req.echo and last.role == ("assistant" if req.add_generation_prompt else last.role):
             prep.echo = _content_text(last.content)
@@ -606,13 +666,19 @@ class ServingChat(OpenAIServing):
             return self.tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                               enable_thinking=thinking, continue_final_message=continue_final_message,
                                               special_tokens_in_content=self.special_tokens_in_content)
-        except ValueError as e:
-            raise APIError(400, printable(e, 500), param="messages") from None
+        except ValueError as e:  # the template's message; a role of its own that it names is the param
+            odd = next((i for i, m in enumerate(msgs) if m.role not in p.OPENAI_ROLES and m.role in str(e)), None)
+            param = "messages" if odd is None else f"messages.{odd}.role"
+            raise APIError(400, printable(e, 500), param=param) from None
 
     @staticmethod
-    def output(req: p.ChatCompletionRequest, prep: _Prepared) -> ChatOutput:
+    def parses_tools(req: p.ChatCompletionRequest) -> bool:
+        """Tool calls are parsed out of the output: tools are offered and tool_choice is not "none"."""
+        return bool(req.tools) and req.tool_choice != "none"
+
+    def output(self, req: p.ChatCompletionRequest, prep: _Prepared) -> ChatOutput:
         """A choice's output chain: reasoning split; tool-call parsing when tools are offered."""
-        tools = req.tools if req.tools and req.tool_choice != "none" else None
+        tools = req.tools if self.parses_tools(req) else None
         return ChatOutput(in_reasoning=prep.in_reasoning, tools=tools, parallel=req.parallel_tool_calls is not False)
 
     @staticmethod
@@ -744,7 +810,8 @@ class ServingCompletion(OpenAIServing):
         preps = await asyncio.to_thread(self._prepare, req)
         constraint = await self.constraint(preps[0])
         want = [x for x in (req.prompt_logprobs, req.logprobs if req.echo else None) if x is not None]
-        gen = await self.start(req, preps, constraint, prompt_logprobs=max(want) if want else None)
+        gen = await self.start(req, preps, constraint,
+                               prompt_logprobs=max(map(self.logprob_count, want)) if want else None)
         rid = p.random_id("cmpl")
         if req.stream:
             return SSEStream(self._stream(req, rid, gen, preps), gen.cancel)
@@ -781,10 +848,10 @@ class ServingCompletion(OpenAIServing):
         return list(prompt)
 
     def _logprobs(self, req: p.CompletionRequest, entries: Sequence[tuple[int, TokenLogprob | None]],
-                  offset: int) -> p.CompletionLogprobs:
+                  offset: int, n_top: int | None) -> p.CompletionLogprobs:
         """Completions logprobs of (token, logprob) entries starting at text `offset`: each token's text, logprob
-        and top alternatives, the token itself always among them (so logprobs 0 gives its entry); None entries
-        (the first echoed prompt token) are null."""
+        and its first `n_top` alternatives (None: all), the token itself always among them (so logprobs 0 gives
+        its entry); None entries (the first echoed prompt token) are null."""
         as_id = req.return_tokens_as_token_ids
         out = p.CompletionLogprobs()
         for tok, x in entries:
@@ -797,7 +864,7 @@ class ServingCompletion(OpenAIServing):
                 out.top_logprobs.append(None)
                 continue
             out.token_logprobs.append(x.logprob)
-            top = {self.token_text(t, as_id): v for t, v in x.top[:req.logprobs or 0]}
+            top = {self.token_text(t, as_id): v for t, v in x.top[:n_top]}
             top.setdefault(text, x.logprob)
             out.top_logprobs.append(top)
         return out
@@ -807,21 +874,25 @@ class ServingCompletion(OpenAIServing):
         first = gen.choices[index - index % req.n]  # the prompt's first choice computed its prompt logprobs
         if not (req.echo and req.logprobs is not None and first.prompt_logprobs is not None):
             return None
-        return self._logprobs(req, list(zip(prep.prompt_ids, first.prompt_logprobs)), 0)
+        return self._logprobs(req, list(zip(prep.prompt_ids, first.prompt_logprobs)), 0,
+                              self.logprob_count(req.logprobs))
 
     def _choice(self, req: p.CompletionRequest, gen: Generation, prep: _Prepared, c: ChoiceState | Delta,
-                text: str, offset: int, head: bool) -> p.CompletionChoice:
-        """One choice (or streamed piece); `head`: the first piece of the choice (echo, prompt ids and prompt
-        logprobs go with it)."""
+                text: str, offset: int, head: bool,
+                cls: type[p.CompletionChoice] = p.CompletionChoice) -> p.CompletionChoice:
+        """One choice (or, `cls` CompletionStreamChoice, a streamed piece); `head`: the first piece of the choice
+        (echo, prompt ids and prompt logprobs go with it)."""
         logprobs = None
         if req.logprobs is not None:
-            logprobs = self._logprobs(req, [(x.token, x) for x in c.logprobs], offset + (len(prep.echo) if head else 0))
+            n_top = None if req.logprob_token_ids else self.logprob_count(req.logprobs)  # (the listed ids: all)
+            logprobs = self._logprobs(req, [(x.token, x) for x in c.logprobs], offset + (len(prep.echo) if head else 0),
+                                      n_top)
             echo = self._echo_logprobs(req, gen, prep, c.index) if head else None
             if echo is not None:
                 for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
                     setattr(logprobs, name, getattr(echo, name) + getattr(logprobs, name))
         first = gen.choices[c.index - c.index % req.n]
-        return p.CompletionChoice(
+        return cls(
             index=c.index, text=(prep.echo if head else "") + text, finish_reason=c.finish_reason, logprobs=logprobs,
             prompt_token_ids=prep.prompt_ids if req.return_token_ids and head else None,
             token_ids=c.token_ids if req.return_token_ids else None,
@@ -839,7 +910,7 @@ class ServingCompletion(OpenAIServing):
 
     async def _stream(self, req: p.CompletionRequest, rid: str, gen: Generation,
                       preps: list[_Prepared]) -> AsyncIterator[str]:
-        head = p.CompletionResponse(id=rid, model=self.model_name, choices=[], usage=None)
+        head = p.CompletionChunk(id=rid, model=self.model_name, choices=[])
         n_choices = len(gen.choices)
         offsets = [0] * n_choices
         started = [False] * n_choices
@@ -850,7 +921,7 @@ class ServingCompletion(OpenAIServing):
                     prep = preps[d.index // req.n]
                     first = not started[d.index]
                     started[d.index] = True
-                    choice = self._choice(req, gen, prep, d, d.text, offsets[d.index], first)
+                    choice = self._choice(req, gen, prep, d, d.text, offsets[d.index], first, p.CompletionStreamChoice)
                     offsets[d.index] += len(choice.text)
                     usage = self.usage(gen, n_prompt, final=False) if req.continuous_usage else None
                     yield sse(head.model_copy(update={"choices": [choice], "usage": usage}))

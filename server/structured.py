@@ -24,6 +24,7 @@ from grammar import (CompiledGrammar, GrammarCompiler, GrammarError, GrammarSour
                      GuidanceTokenizer, ReasoningParser, ToolCall, ToolCallDelta, ToolCallParser,
                      prompt_opens_reasoning)
 from grammar.parsers import THINK_END, THINK_START
+from grammar.tools import TOOL_CALL_END, TOOL_CALL_START
 
 log = logging.getLogger("nextn.structured")
 
@@ -112,6 +113,14 @@ def opens_reasoning(tokenizer: Any, prompt_ids: list[int]) -> bool:
         return max((i for i in range(len(prompt_ids) - 1, -1, -1) if prompt_ids[i] == tok), default=-1)
 
     return last(start) > last(end)
+
+
+def tool_tags_are_special(tokenizer: Any) -> bool:
+    """Are `<tool_call>` / `</tool_call>` tokens marked special (some fine-tunes mark them), which decoding with
+    skip_special_tokens would drop? Then a request whose calls are parsed decodes special tokens, as vLLM's tool
+    parsers have it, so the parser sees the tags."""
+    return bool({tokenizer.token_to_id(TOOL_CALL_START), tokenizer.token_to_id(TOOL_CALL_END)}
+                & tokenizer.special_token_ids)
 
 
 @dataclass

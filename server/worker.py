@@ -81,7 +81,7 @@ class Job:
     max_new_tokens: int
     sampling: SpecSampling
     eos_ids: Sequence[int]
-    logprobs: int | None
+    logprobs: int | tuple[int, ...] | None  # None, n alternatives, or these ids' logprobs (SpecSession's `logprobs`)
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue[JobEvent]
     constraint: SpecConstraint | None = None  # this choice's grammar (one per choice: it holds matcher state)

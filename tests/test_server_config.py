@@ -87,8 +87,13 @@ def test_auto_values_are_resolved_with_notes(tmp_path):
     assert all(w in text for w in ("device auto -> cpu", "dtype auto -> float32", "served_model_name None -> ",
                                    "max_model_len None -> 4096", "num_speculative_tokens 3 -> 0",
                                    "cpu_threads None -> 3 (4 usable core(s)",
-                                   "cpu_kernel_threads None -> 2 (4 usable core(s))"))
+                                   "cpu_kernel_threads None -> 2 (4 usable core(s))", "max_queue None -> "))
     assert notes[-1][0] == logging.WARNING
+    # the queue bound: sized from the available memory (thousands), within its range, logged
+    for memory, want in ((2**40, 16384), (2**33, 2**33 // 8 // (4096 * 64 + 65536)), (2**20, 1024), (None, 1024)):
+        r, notes = resolve(s, cuda_available=False, max_position_embeddings=262144, has_mtp=True, cores=4,
+                           environ={}, memory=lambda m=memory: m)
+        assert r.max_queue == want and any(msg.startswith(f"max_queue None -> {want} (") for _, msg in notes)
     # threads: OMP_NUM_THREADS wins over the core count; one core still gets one thread; cuda leaves torch's
     for env, cores, want in (({"OMP_NUM_THREADS": "5"}, 4, 5), ({}, 1, 1), ({"OMP_NUM_THREADS": "x"}, 2, 1)):
         r = resolve(s, cuda_available=False, max_position_embeddings=4096, has_mtp=True, cores=cores, environ=env)[0]
@@ -96,8 +101,8 @@ def test_auto_values_are_resolved_with_notes(tmp_path):
     r = resolve(s, cuda_available=True, max_position_embeddings=4096, has_mtp=True, cores=8, environ={})[0]
     assert r.cpu_threads is None and r.cpu_kernel_threads is None
     r, notes = resolve(ServeSettings(model_dir=tmp_path, device="cpu", dtype="bfloat16", served_model_name="x",
-                                     max_model_len=100, cpu_threads=2, cpu_kernel_threads=1), cuda_available=False,
-                       max_position_embeddings=4096, has_mtp=True)
+                                     max_model_len=100, max_queue=64, cpu_threads=2, cpu_kernel_threads=1),
+                       cuda_available=False, max_position_embeddings=4096, has_mtp=True)
     assert notes == [] and r.num_speculative_tokens == 3 and r.cpu_threads == 2 and r.cpu_kernel_threads == 1
     with pytest.raises(SettingsError):
         resolve(ServeSettings(model_dir=tmp_path, device="cuda"), cuda_available=False,

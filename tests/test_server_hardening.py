@@ -429,7 +429,8 @@ def test_api_key_guards_every_v1_route_and_never_reaches_a_log(caplog):
         routes = [(m, r.path.replace("{model_id:path}", s.model))
                   for r in server_app.v1.routes + server_app.tokens.routes for m in r.methods]
         assert {path for _, path in routes} == {"/v1/chat/completions", "/v1/completions", "/v1/responses",
-                                                "/v1/models", f"/v1/models/{s.model}", "/tokenize", "/detokenize"}
+                                                "/v1/models", f"/v1/models/{s.model}", "/tokenize", "/detokenize",
+                                                "/invocations"}
         for method, path in routes:
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
                 r = httpx.request(method, s.url + path, headers=headers, json={})
@@ -439,7 +440,8 @@ def test_api_key_guards_every_v1_route_and_never_reaches_a_log(caplog):
         client = openai.OpenAI(base_url=s.base_url, api_key=API_KEY, max_retries=0)
         client.models.list()
         client.completions.create(model=s.model, prompt="Hi", max_tokens=2)
-        assert s.app.openapi()["paths"]["/v1/completions"]["post"]["security"] == [{"bearerAuth": []}]
+        for path in ("/v1/completions", "/invocations"):
+            assert s.app.openapi()["paths"][path]["post"]["security"] == [{"bearerAuth": []}]
     logged = "\n".join(rec.getMessage() + repr(rec.args) for rec in caplog.records)
     assert logged and API_KEY not in logged
     with pytest.raises(SettingsError) as e:
@@ -470,8 +472,8 @@ def test_openapi_documents_every_route_body_and_error(srv):
     served = {(m, r.path.replace(":path", "")) for r in routers for m in r.methods}
     assert documented == served
     assert {path for _, path in served} == {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models",
-                                            "/v1/models/{model_id}", "/tokenize", "/detokenize", "/version",
-                                            "/health", "/ready", "/metrics"}
+                                            "/v1/models/{model_id}", "/tokenize", "/detokenize", "/invocations",
+                                            "/version", "/health", "/ping", "/load", "/ready", "/metrics"}
     bodies = (("/v1/chat/completions", p.ChatCompletionRequest, True), ("/v1/completions", p.CompletionRequest, True),
               ("/v1/responses", p.ResponsesRequest, True), ("/tokenize", p.TokenizeRequest, False),
               ("/detokenize", p.DetokenizeRequest, False))
@@ -487,8 +489,13 @@ def test_openapi_documents_every_route_body_and_error(srv):
         for code in ("400", "500") + (("429",) if streams else ()):
             err = _resolve(doc, op["responses"][code]["content"]["application/json"]["schema"]["$ref"])
             assert set(err["properties"]) == {"error"}
-    for path in ("/v1/models/{model_id}", "/version", "/health"):
+    for path in ("/v1/models/{model_id}", "/version", "/health", "/ping", "/load"):
         assert "200" in doc["paths"][path]["get"]["responses"]
+    invocations = doc["paths"]["/invocations"]["post"]  # SageMaker-style: a chat completion or a completion body
+    assert invocations["requestBody"]["content"]["application/json"]["schema"]["anyOf"] == [
+        {"$ref": "#/components/schemas/ChatCompletionRequest"}, {"$ref": "#/components/schemas/CompletionRequest"}]
+    assert {"200", "400", "401", "429", "500"} <= set(invocations["responses"])
+    assert "text/event-stream" in invocations["responses"]["200"]["content"]
     assert {"ChatCompletionChunk", "ResponseStreamEvent"} <= set(doc["components"]["schemas"])  # SSE events
     stop = _resolve(doc, "#/components/schemas/CompletionRequest")["properties"]["stop"]
     assert {"maxItems": p.MAX_STOP_STRINGS} .items() <= stop["anyOf"][1].items()

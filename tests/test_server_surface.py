@@ -95,8 +95,9 @@ def test_logit_bias_applied_exact_and_bounded(client, srv, tok):
                                                                           "ignore_eos": True}))
     assert sum((c.choices[0].model_extra.get("token_ids") or [] for c in chunks if c.choices), []) == [80] * 6
     for path, body in (("/completions", {"prompt": "Hi"}), ("/chat/completions", {"messages": MSGS})):
-        assert_400(post(srv, path, {**body, "logit_bias": {str(tok.vocab_size): 1}}), "logit_bias",
-                   str(tok.vocab_size), f"has {tok.vocab_size} tokens")
+        vocab = tiny_model_and_tokenizer()[0].config.vocab_size  # padding rows past the tokenizer's are ids too
+        assert_400(post(srv, path, {**body, "logit_bias": {str(vocab): 1}}), "logit_bias", str(vocab),
+                   f"vocabulary size is {vocab}")
         assert_400(post(srv, path, {**body, "logit_bias": {"5": 101}}), "logit_bias.5")
 
 
@@ -120,8 +121,9 @@ def test_min_tokens_and_stop_token_ids(client, srv, tok):
     assert sum((c.choices[0].model_extra["token_ids"] for c in chunks), []) == out
     assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
     for path, body in (("/completions", {"prompt": "Hi"}), ("/chat/completions", {"messages": MSGS})):
-        assert_400(post(srv, path, {**body, "stop_token_ids": [tok.vocab_size + 3]}), "stop_token_ids",
-                   str(tok.vocab_size + 3))
+        vocab = tiny_model_and_tokenizer()[0].config.vocab_size  # padding rows past the tokenizer's are ids too
+        assert_400(post(srv, path, {**body, "stop_token_ids": [vocab + 3]}), "stop_token_ids", str(vocab + 3),
+                   f"vocabulary size is {vocab}")
         assert_400(post(srv, path, {**body, "min_tokens": 9, "max_tokens": 4}), "min_tokens")
     assert_400(post(srv, "/chat/completions", {"messages": MSGS, "min_tokens": 2,
                                                "response_format": {"type": "json_object"}}), "min_tokens", "grammar")

@@ -250,6 +250,12 @@ def epp_config() -> dict:
 def test_endpoint_picker_reads_the_protocol_under_nextns_names():
     cfg = epp_config()
     assert (cfg["apiVersion"], cfg["kind"]) == ("llm-d.ai/v1alpha1", "EndpointPickerConfig")
+    # the fields of llm-d-router v0.10.0's EndpointPickerConfig (apix/config/v1alpha1), so a typo is caught here
+    assert set(cfg) <= {"apiVersion", "kind", "featureGates", "plugins", "schedulingProfiles", "dataLayer",
+                        "flowControl", "requestHandler", "saturationDetector", "parser"}, set(cfg)
+    assert all(set(p) <= {"name", "type", "parameters"} for p in cfg["plugins"])
+    assert all(set(r) <= {"pluginRef", "weight"} for prof in cfg["schedulingProfiles"] for r in prof["plugins"])
+    assert set(cfg["dataLayer"]) <= {"injectDefaults", "sources", "discovery"}
     plugins = {p.get("name", p["type"]): p for p in cfg["plugins"]}
     refs = [r["pluginRef"] for prof in cfg["schedulingProfiles"] for r in prof["plugins"]]
     refs += [s["pluginRef"] for s in cfg["dataLayer"]["sources"]]

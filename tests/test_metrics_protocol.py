@@ -4,7 +4,8 @@ The Gateway API Inference Extension's protocol (kubernetes-sigs/gateway-api-infe
 docs/proposals/003-model-server-protocol; the endpoint picker's table in llm-d/llm-d-router v0.10.0,
 docs/plugin-metric-protocol.md) names three gauges: TotalQueuedRequests ("the current total number of requests in
 the queue", vLLM's `vllm:num_requests_waiting`), TotalRunningRequests ("the current total number of requests
-actively being served", `vllm:num_requests_running`) and KVCacheUtilization (a 0..1 fraction, `vllm:kv_cache_usage_perc`).
+actively being served", `vllm:num_requests_running`) and KVCacheUtilization (a 0..1 fraction,
+`vllm:kv_cache_usage_perc`).
 nextn exports them as `nextn_` + `MODEL_SERVER_PROTOCOL[...]`, and under `--metrics-compat vllm` as `vllm:` + the
 same. The server here has 2 state-pool slots; the test drives it through states the client controls (requests
 long enough not to end on their own; a closed stream cancels its request) and checks, on every scrape, the type and

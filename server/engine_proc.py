@@ -93,7 +93,8 @@ class _JobSpec:
 class _RelayMetrics:
     """The child's stand-in for `ServingMetrics`: records the worker's calls for the parent to replay."""
 
-    _CALLS = ("observe_queue_time", "observe_ttft", "observe_itl", "add_spec", "set_running", "set_waiting")
+    _CALLS = ("observe_queue_time", "observe_ttft", "observe_itl", "add_spec", "set_running", "set_waiting",
+              "set_pool_usage")
 
     def __init__(self, relay: _Relay) -> None:
         for name in self._CALLS:
@@ -524,3 +525,4 @@ class EngineProcess(Drainable):
         with contextlib.suppress(Exception):
             self.metrics.set_running(0)
             self.metrics.set_waiting(0)
+            self.metrics.set_pool_usage(0, self.max_num_seqs)

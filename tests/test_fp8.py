@@ -207,3 +207,166 @@ def test_dispatch_runs_fp8_weights_through_the_twin_off_the_kernel_path():
     offsets = torch.tensor([0, 2, 6], dtype=torch.int32)
     assert torch.equal(ops.grouped_linear(x.view(6, 150), we, offsets),
                        mm.grouped_matmul_ref(x.view(6, 150), f8.dequantize(we, *f8.scales(we)), offsets))
+
+
+# ---- checkpoints ----------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def ckpts(request, tmp_path_factory):
+    """(bf16 source, FP8, dequantized reference) checkpoint dirs; the MoE one in the per-expert layout."""
+    d = tmp_path_factory.mktemp(f"fp8-{request.param}")
+    moe = request.param == "moe"
+    src = make_checkpoint(d / "bf16", seed=11 if moe else 10, moe=moe, per_expert=moe, with_tokenizer=False, **DIMS)
+    q = quantize_checkpoint(src, d / "fp8", scale_dtype=torch.bfloat16 if moe else torch.float32)
+    return src, q, dequantize_checkpoint(q, d / "deq")
+
+
+def test_the_fp8_checkpoint_has_the_release_layout(ckpts):
+    src, q, _ = ckpts
+    sd = load_file(str(q / "model.safetensors"))
+    qc = json.loads((q / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "fp8" and qc["weight_block_size"] == [128, 128]
+    lay = "model.layers.{}."
+    w = sd[lay.format(1) + "self_attn.k_proj.weight"]  # [64, 160]: one partial block of each
+    assert w.dtype == torch.float8_e4m3fn and sd[lay.format(1) + "self_attn.k_proj.weight_scale_inv"].shape == (1, 2)
+    for kept in ("linear_attn.in_proj_a.weight", "linear_attn.in_proj_b.weight", "linear_attn.conv1d.weight",
+                 "input_layernorm.weight"):
+        assert sd[lay.format(0) + kept].dtype == torch.bfloat16, kept
+    assert sd["lm_head.weight"].dtype == sd["model.embed_tokens.weight"].dtype == torch.bfloat16
+    assert sd["mtp.fc.weight"].dtype == torch.bfloat16
+    if "model.layers.0.mlp.experts.0.gate_proj.weight" in sd:
+        assert sd["model.layers.0.mlp.experts.3.down_proj.weight"].dtype == torch.float8_e4m3fn
+        assert sd["model.layers.0.mlp.gate.weight"].dtype == torch.bfloat16
+
+
+def test_loaded_weights_equal_the_dequantized_reference_bitwise(ckpts, caplog):
+    """CPU: every weight of the FP8 checkpoint loads as its blocks multiplied out (in bf16, and in fp32 against an
+    fp32 reference); the unquantized tensors load unchanged; the scales are consumed, not reported unused."""
+    src, q, deq = ckpts
+    with caplog.at_level("INFO", logger="nextn.loader"):
+        a = load_model(q)
+    assert "dequantized to bfloat16 at load" in caplog.text and "ignored" not in caplog.text
+    b = load_model(deq)
+    sa, sb, s0 = a.state_dict(), b.state_dict(), load_model(src).state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert sa[k].dtype == torch.bfloat16 and torch.equal(sa[k], sb[k]), k
+    assert torch.equal(sa["model.layers.0.linear_attn.in_proj_a.weight"], s0["model.layers.0.linear_attn.in_proj_a.weight"])
+    assert not torch.equal(sa["model.layers.1.self_attn.q_proj.weight"], s0["model.layers.1.self_attn.q_proj.weight"])
+    s32 = load_model(q, dtype="float32").state_dict()
+    ref32 = load_model(dequantize_checkpoint(q, q.parent / "deq32", torch.float32), dtype="float32").state_dict()
+    assert all(torch.equal(s32[k], ref32[k]) for k in s32)
+
+
+def test_greedy_and_spec_on_the_fp8_checkpoint_equal_the_dequantized_model(ckpts):
+    """CPU: the FP8 checkpoint's logits are bitwise the dequantized checkpoint's; greedy tokens equal, and greedy
+    speculative decoding equals plain greedy on it for K = 1..3."""
+    _, q, deq = ckpts
+    a, b = load_model(q), load_model(deq)
+    ids = torch.tensor([PROMPT])
+    assert torch.equal(a(ids), b(ids))
+    ref, _ = generate_spec(b, PROMPT, 16, k=0)
+    plain, _ = generate_spec(a, PROMPT, 16, k=0)
+    assert plain == ref and len(plain) == 16
+    for k in (1, 2, 3):
+        out, tel = generate_spec(a, PROMPT, 16, k=k)
+        assert out == plain and tel.rounds > 0, f"K={k}"
+
+
+@needs_triton
+def test_kernel_path_keeps_fp8_and_gives_the_dequantized_models_greedy_tokens(ckpts):
+    """Where the kernel path runs (forced on CPU), the linears and experts stay FP8 with their scales (q|k|v fused
+    with a scale row map; the GDN input projections unfused, since their a / b parts are bf16), the W8A16 kernel
+    serves them, and greedy decoding gives the dequantized bf16 model's tokens (kernel path too)."""
+    _, q, deq = ckpts
+    n = 5
+    with ops.force_kernels():
+        a = load_model(q)
+        attn, gdn = a.model.layers[1].self_attn, a.model.layers[0].linear_attn
+        assert attn._w_qkv.dtype == torch.float8_e4m3fn and f8.scales(attn._w_qkv)[1] is not None
+        assert gdn._w_in is None and gdn.in_proj_qkv.weight.dtype == torch.float8_e4m3fn
+        assert gdn.in_proj_a.weight.dtype == torch.bfloat16
+        experts = getattr(a.model.layers[0].mlp, "experts", None)
+        if experts is not None:
+            assert experts.gate_up_proj.dtype == torch.float8_e4m3fn and f8.scales(experts.gate_up_proj)[1] is not None
+        assert a.lm_head.weight.dtype == torch.bfloat16
+        with spy(f8, "grouped_matmul_fp8" if experts is not None else "matmul_fp8") as calls:
+            got, _ = generate_spec(a, PROMPT, n, k=0)
+        assert calls
+        want, _ = generate_spec(load_model(deq), PROMPT, n, k=0)
+    assert got == want
+    assert got == generate_spec(load_model(deq), PROMPT, n, k=0)[0]  # and the CPU-dequantized model's
+
+
+# ---- refusals -------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def plain_dir(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("plain"), seed=0, with_tokenizer=False)
+
+
+def _with_config(src, dst, **kv):
+    dst.mkdir()
+    raw = json.loads((src / "config.json").read_text())
+    raw.update(kv)
+    (dst / "config.json").write_text(json.dumps(raw))
+    (dst / "model.safetensors").symlink_to(src / "model.safetensors")
+    return dst
+
+
+FP8_OK = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+
+
+@pytest.mark.parametrize("qc,named", [
+    ({"quant_method": "awq", "bits": 4, "group_size": 128}, "quant_method 'awq'"),
+    ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq'"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method 'bitsandbytes'"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized"}, "quant_method 'compressed-tensors'"),
+    ({**FP8_OK, "weight_block_size": [64, 64]}, "weight_block_size [64, 64]"),
+    ({**FP8_OK, "weight_block_size": None}, "weight_block_size None"),
+    ({**FP8_OK, "activation_scheme": "static"}, "activation_scheme 'static'"),
+    ({**FP8_OK, "fmt": "e5m2"}, "fmt 'e5m2'"),
+])
+def test_other_quantizations_fail_with_one_line_naming_them(plain_dir, tmp_path, qc, named):
+    d = _with_config(plain_dir, tmp_path / "q", quantization_config=qc)
+    for fn in (load_config, load_model):
+        with pytest.raises(CheckpointError) as e:
+            fn(d)
+        assert named in str(e.value) and "\n" not in str(e.value)
+
+
+def test_nextn_serve_stops_at_startup_on_an_unsupported_quantization(plain_dir, tmp_path, capsys):
+    from server.cli import main
+
+    d = _with_config(plain_dir, tmp_path / "awq", quantization_config={"quant_method": "awq"})
+    assert main(["serve", str(d), "--device", "cpu", "--port", "1"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"nextn serve: error: cannot load {d}") and "'awq'" in err[0]
+
+
+def test_inconsistent_fp8_checkpoints_name_the_tensor(ckpts, tmp_path):
+    _, q, _ = ckpts
+    sd = load_file(str(q / "model.safetensors"))
+    key = "model.layers.1.self_attn.o_proj.weight"
+
+    def variant(name, edit, **config):
+        d = tmp_path / name
+        d.mkdir()
+        raw = json.loads((q / "config.json").read_text())
+        raw.update(config)
+        (d / "config.json").write_text(json.dumps(raw))
+        s = dict(sd)
+        edit(s)
+        save_file(s, str(d / "model.safetensors"))
+        return d
+
+    cases = [
+        (variant("noscale", lambda s: s.pop(key + "_scale_inv")), f"{key!r} is float8_e4m3fn but has no"),
+        (variant("badscale", lambda s: s.update({key + "_scale_inv": torch.ones(3, 3)})), "want (2, 1)"),
+        (variant("noconfig", lambda s: None, quantization_config=None), "has no quantization_config"),
+        (variant("int", lambda s: s.update({key: torch.zeros(160, 128, dtype=torch.int32)})), "is torch.int32"),
+    ]
+    for d, msg in cases:
+        with pytest.raises(CheckpointError, match=None) as e:
+            load_model(d)
+        assert msg in str(e.value), (d.name, str(e.value))

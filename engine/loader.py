@@ -240,6 +240,11 @@ def _weight(name: str, t: torch.Tensor, scale: torch.Tensor | None) -> Loaded:
     return t, None, None
 
 
+def _float(t: torch.Tensor, scale: torch.Tensor | None, rows: torch.Tensor | None) -> torch.Tensor:
+    """A loaded tensor in fp32 (an FP8 one dequantized)."""
+    return t.float() if scale is None else fp8.dequantize(t, scale, rows, torch.float32)
+
+
 def _cat_rows(parts: list[Loaded]) -> Loaded:
     """Weights [N_i, K] stacked by rows: FP8 pieces keep their own block scales (`matmul_fp8.fuse`); a mix of FP8 and
     unquantized pieces is dequantized to fp32 first."""
@@ -250,7 +255,7 @@ def _cat_rows(parts: list[Loaded]) -> Loaded:
     if all(s is not None for _, s, _ in parts):
         w, _ = fp8.fuse([fp8.mark(t, s.float(), r) for t, s, r in parts])
         return (w, *fp8.scales(w))
-    return torch.cat([t.float() if s is None else fp8.dequantize(t, s, r, torch.float32) for t, s, r in parts]), None, None
+    return torch.cat([_float(*p) for p in parts]), None, None
 
 
 def _fused_expert(name: str, experts: dict, read, scale_of, used: set[str]) -> Loaded | None:
@@ -269,14 +274,16 @@ def _fused_expert(name: str, experts: dict, read, scale_of, used: set[str]) -> L
         for p in parts:
             if p not in per[e]:
                 raise CheckpointError(f"checkpoint is missing tensor '{prefix}.{e}.{p}.weight'")
-        rows.append(_cat_rows([_weight(f"{prefix}.{e}.{p}.weight", read(*per[e][p]), scale_of(f"{prefix}.{e}.{p}.weight"))
-                               for p in parts]))
+        keys = [f"{prefix}.{e}.{p}.weight" for p in parts]
+        rows.append(_cat_rows([_weight(k, read(*per[e][p]), scale_of(k)) for k, p in zip(keys, parts)]))
     used.add(name)
     if all(s is None for _, s, _ in rows):
         return torch.stack([t for t, _, _ in rows]), None, None
-    if all(s is not None for _, s, _ in rows) and all(r is None or torch.equal(r, rows[0][2]) for _, _, r in rows):
-        return torch.stack([t for t, _, _ in rows]), torch.stack([s for _, s, _ in rows]), rows[0][2]
-    return torch.stack([t.float() if s is None else fp8.dequantize(t, s, r, torch.float32) for t, s, r in rows]), None, None
+    r0 = rows[0][2]
+    same_map = all(r is None if r0 is None else r is not None and torch.equal(r, r0) for _, _, r in rows)
+    if same_map and all(s is not None for _, s, _ in rows):
+        return torch.stack([t for t, _, _ in rows]), torch.stack([s for _, s, _ in rows]), r0
+    return torch.stack([_float(*p) for p in rows]), None, None
 
 
 def _takes_fp8(model: nn.Module, name: str) -> bool:

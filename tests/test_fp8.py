@@ -19,11 +19,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from engine.graphs import GraphRunner
 from engine.loader import CheckpointError, load_config, load_model
 from engine.model.ops import dispatch as ops
 from engine.model.ops import matmul as mm
 from engine.model.ops import matmul_fp8 as f8
-from engine.spec import generate_spec
+from engine.scheduler import Scheduler
+from engine.spec import SpecSession, generate_spec
 from tests.ops_util import DEVICE, DTYPES, assert_bitwise, assert_close, nans, needs_triton, rand, spy
 from tests.tiny import make_checkpoint
 from tools.quantize_fp8 import dequantize_block_by_block, dequantize_checkpoint, quantize, quantize_checkpoint
@@ -251,8 +253,8 @@ def test_loaded_weights_equal_the_dequantized_reference_bitwise(ckpts, caplog):
     assert sa.keys() == sb.keys()
     for k in sa:
         assert sa[k].dtype == torch.bfloat16 and torch.equal(sa[k], sb[k]), k
-    assert torch.equal(sa["model.layers.0.linear_attn.in_proj_a.weight"], s0["model.layers.0.linear_attn.in_proj_a.weight"])
-    assert not torch.equal(sa["model.layers.1.self_attn.q_proj.weight"], s0["model.layers.1.self_attn.q_proj.weight"])
+    kept, converted = "model.layers.0.linear_attn.in_proj_a.weight", "model.layers.1.self_attn.q_proj.weight"
+    assert torch.equal(sa[kept], s0[kept]) and not torch.equal(sa[converted], s0[converted])
     s32 = load_model(q, dtype="float32").state_dict()
     ref32 = load_model(dequantize_checkpoint(q, q.parent / "deq32", torch.float32), dtype="float32").state_dict()
     assert all(torch.equal(s32[k], ref32[k]) for k in s32)
@@ -273,13 +275,26 @@ def test_greedy_and_spec_on_the_fp8_checkpoint_equal_the_dequantized_model(ckpts
         assert out == plain and tel.rounds > 0, f"K={k}"
 
 
+def _served(model, k: int, n: int) -> list[list[int]]:
+    """Greedy tokens of two sessions batched through the scheduler's GraphRunner (the serving step path)."""
+    sched = Scheduler(model, max_num_seqs=2, max_model_len=32, k=k, max_num_batched_tokens=64, step_graphs=True)
+    assert isinstance(sched.runner, GraphRunner)
+    sessions = [SpecSession(model, p, n, k=k, pool=sched.pool) for p in (PROMPT, PROMPT[3:])]
+    for s in sessions:
+        sched.add(s)
+    while sched.num_sessions:
+        sched.step()
+    return [s.emitted for s in sessions]
+
+
 @needs_triton
 def test_kernel_path_keeps_fp8_and_gives_the_dequantized_models_greedy_tokens(ckpts):
     """Where the kernel path runs (forced on CPU), the linears and experts stay FP8 with their scales (q|k|v fused
-    with a scale row map; the GDN input projections unfused, since their a / b parts are bf16), the W8A16 kernel
-    serves them, and greedy decoding gives the dequantized bf16 model's tokens (kernel path too)."""
+    with a scale row map; the GDN input projections unfused, since their a / b parts are bf16) and the W8A16 kernel
+    serves them: two sessions batched through the scheduler's step graphs give the dequantized bf16 model's greedy
+    tokens (its kernel path, and its CPU path), and speculative decoding (K = 2) gives the same."""
     _, q, deq = ckpts
-    n = 5
+    n = 4
     with ops.force_kernels():
         a = load_model(q)
         attn, gdn = a.model.layers[1].self_attn, a.model.layers[0].linear_attn
@@ -291,11 +306,12 @@ def test_kernel_path_keeps_fp8_and_gives_the_dequantized_models_greedy_tokens(ck
             assert experts.gate_up_proj.dtype == torch.float8_e4m3fn and f8.scales(experts.gate_up_proj)[1] is not None
         assert a.lm_head.weight.dtype == torch.bfloat16
         with spy(f8, "grouped_matmul_fp8" if experts is not None else "matmul_fp8") as calls:
-            got, _ = generate_spec(a, PROMPT, n, k=0)
+            got = _served(a, 0, n)
         assert calls
-        want, _ = generate_spec(load_model(deq), PROMPT, n, k=0)
-    assert got == want
-    assert got == generate_spec(load_model(deq), PROMPT, n, k=0)[0]  # and the CPU-dequantized model's
+        assert got == _served(load_model(deq), 0, n)
+        if experts is None:
+            assert _served(a, 2, n) == got
+    assert got == [generate_spec(load_model(deq), p, n, k=0)[0] for p in (PROMPT, PROMPT[3:])]
 
 
 # ---- refusals -------------------------------------------------------------------------------------------------------

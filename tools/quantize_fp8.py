@@ -61,7 +61,8 @@ def dequantize_block_by_block(q: torch.Tensor, scale: torch.Tensor, dtype: torch
     """The weight an FP8 tensor stands for, block by block from the format's definition: each 128 x 128 block of q
     (edge blocks partial) times its own scale, in fp32, cast to `dtype`."""
     out = torch.empty(q.shape, dtype=dtype)
-    flat_q, flat_s, flat_o = q.reshape(-1, *q.shape[-2:]), scale.reshape(-1, *scale.shape[-2:]), out.view(-1, *q.shape[-2:])
+    flat_q, flat_s = q.reshape(-1, *q.shape[-2:]), scale.reshape(-1, *scale.shape[-2:])
+    flat_o = out.view(-1, *q.shape[-2:])
     for e in range(flat_q.shape[0]):
         for i in range(flat_s.shape[1]):
             for j in range(flat_s.shape[2]):

@@ -28,8 +28,8 @@ from . import sample as _sample
 from ._triton import HAS_TRITON
 
 __all__ = ["HAS_TRITON", "use_triton", "force_kernels", "linear", "grouped_linear", "fp8_linear", "rms_norm",
-           "add_rms_norm", "gated_rms_norm", "attention", "write_kv", "gdn_update", "conv_update", "gdn_gates", "silu_mul",
-           "moe_combine", "argmax", "sample"]
+           "add_rms_norm", "gated_rms_norm", "attention", "write_kv", "gdn_update", "conv_update", "gdn_gates",
+           "silu_mul", "moe_combine", "argmax", "sample"]
 
 _FORCED = False
 

@@ -24,8 +24,8 @@ are capped at ``SPEC_TELEM_POS`` = 8, the length of the telemetry arrays.
 
 Serving metrics: counters ``nextn_prompt_tokens_total``, ``nextn_generation_tokens_total``,
 ``nextn_request_success_total{finished_reason=stop|length|abort|error}`` (all four pre-created); gauges
-``nextn_num_requests_running``, ``nextn_num_requests_waiting``; histograms (vLLM's default buckets,
-``vllm/v1/metrics/buckets.py``) ``nextn_time_to_first_token_seconds``,
+``nextn_num_requests_running``, ``nextn_num_requests_waiting``, ``nextn_kv_cache_usage_perc``; histograms
+(vLLM's default buckets, ``vllm/v1/metrics/buckets.py``) ``nextn_time_to_first_token_seconds``,
 ``nextn_inter_token_latency_seconds``, ``nextn_e2e_request_latency_seconds``,
 ``nextn_request_queue_time_seconds``; the prefix cache's counters ``nextn_prefix_cache_queries_total`` and
 ``nextn_prefix_cache_hits_total`` (prompt tokens looked up and found, vLLM's semantics: hit rate =
@@ -34,6 +34,27 @@ Serving metrics: counters ``nextn_prompt_tokens_total``, ``nextn_generation_toke
 such metric; buckets ``GRAMMAR_COMPILE_BUCKETS``: 1 ms .. 30 s on a 1-2.5-5 ladder, because llguidance
 compiles typical JSON schemas in milliseconds while large tool schemas can take seconds, and the
 server caps compilation well below a minute).
+
+Load gauges for a gateway in front of replicas: the Gateway API Inference Extension's model-server protocol
+(``docs/proposals/003-model-server-protocol`` in kubernetes-sigs/gateway-api-inference-extension; the endpoint
+picker's metric table in llm-d/llm-d-router ``docs/plugin-metric-protocol.md``). Each is a gauge, present at 0
+from startup, with the protocol's semantics; one choice of a request is one session, as one vLLM request per
+choice:
+
+======================  ===============================  ======================================================
+protocol metric         nextn (``vllm:`` under compat)   value
+======================  ===============================  ======================================================
+TotalQueuedRequests     ``nextn_num_requests_waiting``   sessions queued for a state-pool slot, not yet scheduled
+TotalRunningRequests    ``nextn_num_requests_running``   sessions holding a slot: prefilling or decoding
+KVCacheUtilization      ``nextn_kv_cache_usage_perc``    state-pool slots held / ``--max-num-seqs``, 0..1
+======================  ===============================  ======================================================
+
+``kv_cache_usage_perc`` is the state pool's use, as vLLM's is its KV blocks' use: each slot reserves a whole
+context (``--max-model-len`` positions of KV, the GDN states, the MTP head's KV) however long its session is, so
+the honest measure of what is left is slots, not positions; at 1 every slot is held and a new request waits in
+the queue. The prefix cache's queries and hits (vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits`` counters,
+in tokens) are exported beside them for dashboards; the picker's prefix-aware scoring keeps its own index of what it
+routed where.
 
 Derived values (PromQL; add ``sum by (model_name)`` for several engines/models, pick any window):
 
@@ -62,11 +83,14 @@ grammar truncation. ``metrics.derived.derived`` computes the same quantities fro
 ``vllm:`` names (``vllm:spec_decode_num_drafts_total``, ``vllm:spec_decode_num_draft_tokens_total``,
 ``vllm:spec_decode_num_accepted_tokens_total``, ``vllm:spec_decode_num_accepted_tokens_per_pos_total``,
 ``vllm:prompt_tokens_total``, ``vllm:generation_tokens_total``, ``vllm:request_success_total``,
-``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:time_to_first_token_seconds``,
+``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``,
+``vllm:time_to_first_token_seconds``,
 ``vllm:inter_token_latency_seconds``, ``vllm:e2e_request_latency_seconds``,
-``vllm:request_queue_time_seconds``, ``vllm:prefix_cache_queries_total``, ``vllm:prefix_cache_hits_total``), so stock vLLM dashboards and ``vllm bench serve`` (which sums
-lines starting ``vllm:spec_decode`` that end in ``_total``) read them. The alias is a custom collector
-that re-reads the ``nextn_`` collectors at scrape time, so the two name sets cannot drift. It emits no
+``vllm:request_queue_time_seconds``, ``vllm:prefix_cache_queries_total``, ``vllm:prefix_cache_hits_total``), so
+stock vLLM dashboards and ``vllm bench serve`` (which sums
+lines starting ``vllm:spec_decode`` that end in ``_total``) read them. ``render`` reads every ``nextn_`` series
+once and writes the ``vllm:`` twins from that same read, so the two names of a series show the same value in
+every scrape, even while the engine updates it. It emits no
 ``_created`` samples (a ``vllm:spec_decode_*_created`` line would be summed by naive scrapers), and it
 omits nextn-only families (drafted-per-position, grammar compile) so vLLM tooling sees only vLLM's
 schema. This mode is knowingly NOT promtool-clean: ``promtool check metrics`` fails on every ``vllm:``
@@ -107,6 +131,7 @@ __all__ = [
     "REQUEST_LATENCY_BUCKETS",
     "GRAMMAR_COMPILE_BUCKETS",
     "CONTENT_TYPE",
+    "MODEL_SERVER_PROTOCOL",
 ]
 
 #: Length of SpecTelemetry's per-position arrays (must equal ``engine.spec.SPEC_TELEM_POS``; a test
@@ -129,6 +154,14 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
 GRAMMAR_COMPILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
                            30.0)
 
+#: The Gateway API Inference Extension's model-server protocol (module docstring): each metric the endpoint picker
+#: reads -> the gauge family that carries it, ``nextn_`` + name (and ``vllm:`` + name under --metrics-compat vllm).
+MODEL_SERVER_PROTOCOL = {
+    "TotalQueuedRequests": "num_requests_waiting",
+    "TotalRunningRequests": "num_requests_running",
+    "KVCacheUtilization": "kv_cache_usage_perc",
+}
+
 #: Content type of ``render()``'s body: the Prometheus text format 0.0.4, which every Prometheus
 #: version scrapes (prometheus_client's ``generate_latest`` writes exactly that format).
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
@@ -139,31 +172,27 @@ _LABELS = ("model_name", "engine")
 _ENGINE = "0"
 
 
-class _VllmAlias(Collector):
-    """Re-exposes the given nextn collectors under ``vllm:`` names at scrape time (no copies of values).
+def _vllm_twin(fam: Metric) -> Metric:
+    """`fam` (a ``nextn_`` family, as read) under its ``vllm:`` name, without ``_created`` samples: vLLM-tooling
+    scrapers match on name prefixes and would mis-sum them."""
 
-    Drops ``_created`` samples: vLLM-tooling scrapers match on name prefixes and would mis-sum them.
-    """
-
-    def __init__(self, sources: Sequence[Collector]):
-        self._sources = tuple(sources)
-
-    @staticmethod
-    def _rename(name: str) -> str:
+    def rename(name: str) -> str:
         assert name.startswith(_PREFIX), name
         return _VLLM_PREFIX + name[len(_PREFIX):]
 
-    def collect(self) -> Iterable[Metric]:
-        for src in self._sources:
-            for fam in src.collect():
-                out = Metric(self._rename(fam.name), fam.documentation, fam.type, fam.unit)
-                out.samples = [
-                    s._replace(name=self._rename(s.name)) for s in fam.samples if not s.name.endswith("_created")
-                ]
-                yield out
+    out = Metric(rename(fam.name), fam.documentation, fam.type, fam.unit)
+    out.samples = [s._replace(name=rename(s.name)) for s in fam.samples if not s.name.endswith("_created")]
+    return out
 
-    def describe(self) -> Iterable[Metric]:
-        return self.collect()
+
+class _Read(Collector):
+    """Families already read from the registry, handed to ``generate_latest`` as they are."""
+
+    def __init__(self, families: list[Metric]):
+        self._families = families
+
+    def collect(self) -> Iterable[Metric]:
+        return iter(self._families)
 
 
 class _OptipipeCounters(Collector):
@@ -254,6 +283,10 @@ class ServingMetrics:
         success = counter("request_success", "Count of successfully processed requests.", ("finished_reason",))
         running = gauge("num_requests_running", "Number of requests in model execution batches.")
         waiting = gauge("num_requests_waiting", "Number of requests waiting to be processed.")
+        kv_usage = gauge("kv_cache_usage_perc",
+                         "State-pool usage, 0 to 1 (1 means 100 percent): the fraction of the --max-num-seqs "
+                         "session slots held. A slot reserves a whole context of KV and recurrent state, so a "
+                         "held slot is used capacity whatever its length; at 1 new requests wait in the queue.")
         ttft = histogram("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                          TTFT_BUCKETS)
         itl = histogram("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
@@ -265,7 +298,7 @@ class ServingMetrics:
         grammar = histogram("grammar_compile_seconds",
                             "Histogram of grammar (response_format/tools) compile time in seconds.",
                             GRAMMAR_COMPILE_BUCKETS)
-        aliased += [prompt, generation, success, running, waiting, ttft, itl, e2e, queue]
+        aliased += [prompt, generation, success, running, waiting, kv_usage, ttft, itl, e2e, queue]
 
         # Prefix cache (vLLM's counters, in tokens; nextn's size gauges)
         pc_queries = counter("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.")
@@ -283,14 +316,15 @@ class ServingMetrics:
         self._success = {r: success.labels(*lv, r) for r in FINISHED_REASONS}
         self._running = running.labels(*lv)
         self._waiting = waiting.labels(*lv)
+        self._kv_usage = kv_usage.labels(*lv)
         self._ttft = ttft.labels(*lv)
         self._itl = itl.labels(*lv)
         self._e2e = e2e.labels(*lv)
         self._queue = queue.labels(*lv)
         self._grammar = grammar.labels(*lv)
 
-        if compat_vllm:
-            reg.register(_VllmAlias(aliased))
+        #: families also written under their vLLM names (``render``)
+        self._aliased = frozenset(fam.name for c in aliased for fam in c.describe()) if compat_vllm else frozenset()
         if optipipe_stats is not None:  # the research door is armed
             reg.register(_OptipipeCounters(optipipe_stats, lv))
 
@@ -357,11 +391,11 @@ class ServingMetrics:
             self._generation.inc(n)
 
     def set_running(self, n: int) -> None:
-        """Sessions admitted to the worker (prefilled, decoding)."""
+        """Sessions holding a state-pool slot: prefilling or decoding (the protocol's TotalRunningRequests)."""
         self._running.set(self._nonneg(n, "running requests"))
 
     def set_waiting(self, n: int) -> None:
-        """Requests in the admission queue, not yet prefilled."""
+        """Sessions (one per choice) queued for a slot, not yet scheduled (the protocol's TotalQueuedRequests)."""
         self._waiting.set(self._nonneg(n, "waiting requests"))
 
     def set_prefix_cache(self, stats: Any) -> None:
@@ -380,6 +414,13 @@ class ServingMetrics:
             nbytes.set(self._nonneg(stats.bytes, "prefix cache bytes"))
             blocks.set(self._nonneg(stats.blocks, "prefix cache blocks"))
             capacity.set(self._nonneg(stats.capacity_bytes, "prefix cache capacity"))
+
+    def set_pool_usage(self, held: int, slots: int) -> None:
+        """State-pool slots held by sessions out of the `slots` (``--max-num-seqs``) a session can hold; the
+        gauge is their ratio (0..1). ValueError unless 0 <= held <= slots and slots > 0."""
+        if slots <= 0 or not 0 <= held <= slots:
+            raise ValueError(f"pool usage needs 0 <= held <= slots and slots > 0, got {held} of {slots}")
+        self._kv_usage.set(held / slots)
 
     def request_finished(self, finished_reason: str) -> None:
         """One finished request: ``stop|length|abort|error`` (``tool_calls``/``function_call`` count as
@@ -416,7 +457,9 @@ class ServingMetrics:
     # -- exposition -----------------------------------------------------------------------------------
 
     def render(self) -> tuple[bytes, str]:
-        """``(body, content_type)``: the registry in Prometheus text format 0.0.4."""
+        """``(body, content_type)``: the registry in Prometheus text format 0.0.4 (with compat_vllm, each aliased
+        family also under its ``vllm:`` name, written from the same read, so the two names agree in every scrape)."""
         with self._lock:
-            body = generate_latest(self.registry)
-        return body, CONTENT_TYPE
+            families = list(self.registry.collect())
+        families += [_vllm_twin(f) for f in families if f.name in self._aliased]
+        return generate_latest(_Read(families)), CONTENT_TYPE

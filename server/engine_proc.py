@@ -95,7 +95,7 @@ class _RelayMetrics:
     """The child's stand-in for `ServingMetrics`: records the worker's calls for the parent to replay."""
 
     _CALLS = ("observe_queue_time", "observe_ttft", "observe_itl", "add_spec", "set_running", "set_waiting",
-              "set_prefix_cache")
+              "set_prefix_cache", "set_pool_usage")
 
     def __init__(self, relay: _Relay) -> None:
         for name in self._CALLS:
@@ -527,3 +527,4 @@ class EngineProcess(Drainable):
         with contextlib.suppress(Exception):
             self.metrics.set_running(0)
             self.metrics.set_waiting(0)
+            self.metrics.set_pool_usage(0, self.max_num_seqs)

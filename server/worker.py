@@ -326,6 +326,8 @@ class Worker(Drainable):
                 self._busy = False
                 self.metrics.set_running(len(self._active))
                 self.metrics.set_waiting(len(self._waiting))
+                # slots held by sessions (the pool's other slots, graph-padding scratch, are held for good)
+                self.metrics.set_pool_usage(self.max_num_seqs - self.scheduler.pool.num_free, self.max_num_seqs)
                 self._cv.notify_all()  # wait_idle
             self._outbox.flush()
         for a in list(self._active.values()):
@@ -357,6 +359,7 @@ class Worker(Drainable):
         with contextlib.suppress(Exception):
             self.metrics.set_running(0)
             self.metrics.set_waiting(0)
+            self.metrics.set_pool_usage(0, self.max_num_seqs)
 
     def _admit(self, job: Job) -> _Active | None:
         """Start a session for `job` on a free pool slot; None when it failed to start (the job is then finished)."""

@@ -290,6 +290,7 @@ def test_serving_metrics_values():
     assert s[("nextn_generation_tokens_total", lbl())] == 40
     assert s[("nextn_num_requests_running", lbl())] == 1
     assert s[("nextn_num_requests_waiting", lbl())] == 2
+    assert s[("nextn_kv_cache_usage_perc", lbl())] == 0  # present from the start
     for reason, n in {"stop": 3, "length": 1, "abort": 1, "error": 1}.items():
         assert s[("nextn_request_success_total", lbl(finished_reason=reason))] == n
     ttft = "nextn_time_to_first_token_seconds"
@@ -304,6 +305,17 @@ def test_serving_metrics_values():
     assert s[("nextn_request_queue_time_seconds_bucket", lbl(le="0.3"))] == 1
     assert s[("nextn_grammar_compile_seconds_bucket", lbl(le="0.005"))] == 1
     assert s[("nextn_grammar_compile_seconds_bucket", lbl(le="0.0025"))] == 0
+
+
+def test_pool_usage_is_the_fraction_of_slots_held():
+    m = ServingMetrics(MODEL, 3)
+    for held, slots, want in ((3, 8, 0.375), (8, 8, 1.0), (0, 1, 0.0)):
+        m.set_pool_usage(held, slots)
+        assert scrape(m)[("nextn_kv_cache_usage_perc", lbl())] == want
+    for held, slots in ((9, 8), (-1, 8), (0, 0)):
+        with pytest.raises(ValueError):
+            m.set_pool_usage(held, slots)
+    assert scrape(m)[("nextn_kv_cache_usage_perc", lbl())] == 0.0  # a rejected value changes nothing
 
 
 def test_every_family_has_help_and_model_engine_labels():
@@ -330,6 +342,7 @@ def _loaded(compat: bool) -> ServingMetrics:
     m.set_running(2)
     m.set_waiting(1)
     m.set_prefix_cache(PrefixCacheStats(queries=900, hits=512, blocks=3, bytes=3000, capacity_bytes=10_000))
+    m.set_pool_usage(2, 8)
     m.request_finished("length")
     for f in (m.observe_ttft, m.observe_itl, m.observe_e2e, m.observe_queue_time, m.observe_grammar_compile):
         f(0.07)
@@ -340,7 +353,7 @@ VLLM_NAMES = {
     "vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
     "vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_accepted_tokens_per_pos_total",
     "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total",
-    "vllm:num_requests_running", "vllm:num_requests_waiting",
+    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
     "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
     "vllm:e2e_request_latency_seconds_count", "vllm:request_queue_time_seconds_count",
     "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",

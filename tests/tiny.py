@@ -25,7 +25,8 @@ def hf_config(*, vocab_size: int = 384, hidden_size: int = 64, num_hidden_layers
               linear_num_key_heads: int = 2, linear_num_value_heads: int = 4, linear_key_head_dim: int = 16,
               linear_value_head_dim: int = 16, tie: bool = False, mtp: bool = True,
               layer_types: list[str] | None = None, eos: list[int] | None = None,
-              max_position_embeddings: int = 4096, dtype: str = "float32") -> dict:
+              max_position_embeddings: int = 4096, dtype: str = "float32", intermediate_size: int = 128,
+              num_experts: int = 8, moe_intermediate_size: int = 32, shared_expert_intermediate_size: int = 48) -> dict:
     """An HF-style flat `qwen3_5_text` / `qwen3_5_moe_text` config dict."""
     cfg = {
         "architectures": ["Qwen3_5MoeForCausalLM" if moe else "Qwen3_5ForCausalLM"],
@@ -44,10 +45,11 @@ def hf_config(*, vocab_size: int = 384, hidden_size: int = 64, num_hidden_layers
         "eos_token_id": eos if eos is not None else [vocab_size - 1],
     }
     if moe:
-        cfg.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
-                   router_aux_loss_coef=0.001, output_router_logits=False)
+        cfg.update(num_experts=num_experts, num_experts_per_tok=2, moe_intermediate_size=moe_intermediate_size,
+                   shared_expert_intermediate_size=shared_expert_intermediate_size, router_aux_loss_coef=0.001,
+                   output_router_logits=False)
     else:
-        cfg["intermediate_size"] = 128
+        cfg["intermediate_size"] = intermediate_size
     return cfg
 
 

@@ -44,6 +44,9 @@ from .moe import MLP, SparseMoeBlock
 from .ops import dispatch as ops
 from .ops import cpu
 from .ops.gdn import causal_conv_window, gdn_chunked, gdn_recurrent_step, l2norm
+from .ops.matmul_fp8 import FP8, mark
+from .ops.matmul_fp8 import fuse as fuse_fp8
+from .ops.matmul_fp8 import scales as fp8_scales
 from .ops.norm import as_dtype, const, one_plus
 
 if TYPE_CHECKING:
@@ -82,8 +85,9 @@ class GatedRMSNorm(nn.Module):
 def linear(x: torch.Tensor, w: torch.Tensor, ctx: FwdCtx | None = None) -> torch.Tensor:
     """x @ w^T: the batch-invariant kernel on the kernel path, F.linear on the torch path; in a step forward or a
     prefill block (`ctx.cpu_kernels`) of an fp32 CPU model, ops/cpu.py's batch-invariant C GEMM when this CPU
-    has AVX2 + FMA."""
-    if ops.use_triton(x):
+    has AVX2 + FMA. An FP8 weight (kept only where the kernel path runs, engine/loader.py) takes ops.linear's FP8
+    matmul."""
+    if ops.use_triton(x) or w.dtype == FP8:
         return ops.linear(x, w)
     if ctx is not None and ctx.cpu_kernels:
         y = cpu.linear_or_none(x, w)
@@ -92,10 +96,20 @@ def linear(x: torch.Tensor, w: torch.Tensor, ctx: FwdCtx | None = None) -> torch
     return F.linear(x, w)
 
 
-def fuse_linears(linears: list[nn.Linear]) -> torch.Tensor:
+def fuse_linears(linears: list[nn.Linear]) -> torch.Tensor | None:
     """One weight [sum out, in] for several bias-free linears that read the same input; each linear's weight
     becomes a view of its rows (so a state dict and in-place edits still see the same numbers). One GEMM then
-    replaces len(linears) of them."""
+    replaces len(linears) of them. FP8 weights fuse with their block scales (any row counts: matmul_fp8.fuse); a
+    mix of FP8 and unquantized weights (the GDN's a / b projections stay bf16 in Qwen's FP8 releases) is left
+    unfused: None, and the caller runs one GEMM per linear."""
+    fp8 = [m.weight.dtype == FP8 for m in linears]
+    if any(fp8):
+        if not all(fp8):
+            return None
+        w, views = fuse_fp8([m.weight for m in linears])
+        for m, v in zip(linears, views):
+            m.weight = mark(nn.Parameter(v, requires_grad=False), *fp8_scales(v))
+        return w
     w = torch.cat([m.weight.detach() for m in linears]).contiguous()
     r = 0
     for m in linears:

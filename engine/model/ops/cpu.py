@@ -177,9 +177,11 @@ def _lib_or_raise() -> ctypes.CDLL:
     return lib
 
 
-def available() -> bool:
-    """Whether the kernel is enabled and built (builds it on the first call)."""
-    return _enabled and _get() is not None
+def available(device: torch.device | str = "cpu") -> bool:
+    """Whether the kernel is enabled and built for a model on `device` (builds it on the first call). Never for a
+    device other than the CPU: a CUDA model neither builds nor runs the C kernels (every decision below checks the
+    tensors' device before it would build)."""
+    return torch.device(device).type == "cpu" and _enabled and _get() is not None
 
 
 def set_threads(n: int) -> int:
@@ -390,10 +392,9 @@ def rms_norm(x: torch.Tensor, w1: torch.Tensor, eps: float) -> torch.Tensor:
 def gemm_takes(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether `linear_or_none` computes x @ w^T: fp32 CPU tensors that need no gradient, this CPU has AVX2 + FMA,
     w contiguous [N, K] with K a multiple of 8 (decided by w and the machine alone, never by the row count)."""
-    return (_enabled and (_gemm if _tried else _get() is not None and _gemm)
-            and x.dtype == w.dtype == torch.float32 and x.device.type == "cpu"
+    return (x.device.type == "cpu" and x.dtype == w.dtype == torch.float32 and _enabled
             and not x.requires_grad and not w.requires_grad and w.dim() == 2 and w.shape[1] > 0 and w.shape[1] % 8 == 0
-            and x.shape[-1] == w.shape[1] and w.is_contiguous())
+            and x.shape[-1] == w.shape[1] and w.is_contiguous() and (_gemm if _tried else _get() is not None and _gemm))
 
 
 def linear_or_none(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:

@@ -3,7 +3,8 @@
 CPU (and CUDA without triton) runs the twins, so this module imports and works without triton; one exception:
 `argmax` of fp32 CPU logits runs cpu.py's C pick when it is built, which picks exactly what torch.argmax picks.
 The kernels' contracts (batch invariance, pool layout, what the caller passes) are in their modules:
-matmul.py, attention.py, gdn_update.py, norm.py, sample.py, act.py.
+matmul.py, matmul_fp8.py, attention.py, gdn_update.py, norm.py, sample.py, act.py. `linear` and `grouped_linear`
+take FP8 weights too (float8_e4m3fn with block scales, matmul_fp8.py): the W8A16 kernel, or its twin.
 
 Tests only: `force_kernels()` makes `use_triton` true for CPU tensors too, so the model's whole kernel path
 (engine/model/qwen35.py, moe.py, engine/graphs.py) runs on a CPU under TRITON_INTERPRET=1. Nothing in the serving
@@ -21,13 +22,14 @@ from . import attention as _attn
 from . import cpu as _cpu
 from . import gdn_update as _gdn
 from . import matmul as _mm
+from . import matmul_fp8 as _fp8
 from . import norm as _norm
 from . import sample as _sample
 from ._triton import HAS_TRITON
 
-__all__ = ["HAS_TRITON", "use_triton", "force_kernels", "linear", "grouped_linear", "rms_norm", "add_rms_norm",
-           "gated_rms_norm", "attention", "write_kv", "gdn_update", "conv_update", "gdn_gates", "silu_mul",
-           "moe_combine", "argmax", "sample"]
+__all__ = ["HAS_TRITON", "use_triton", "force_kernels", "linear", "grouped_linear", "fp8_linear", "rms_norm",
+           "add_rms_norm", "gated_rms_norm", "attention", "write_kv", "gdn_update", "conv_update", "gdn_gates",
+           "silu_mul", "moe_combine", "argmax", "sample"]
 
 _FORCED = False
 
@@ -55,7 +57,9 @@ def force_kernels() -> Iterator[None]:
 def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
            out: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ w [N, K]^T -> [..., N] (batch-invariant on CUDA; the LM head passes out_dtype=fp32).
-    `out`: a contiguous [..., N] buffer to write (a CUDA graph's static logits)."""
+    `out`: a contiguous [..., N] buffer to write (a CUDA graph's static logits). An FP8 weight: `fp8_linear`."""
+    if _fp8.is_fp8(w):
+        return fp8_linear(x, w, out_dtype, out)
     x2 = x.reshape(-1, x.shape[-1])
     out2 = None if out is None else out.view(-1, w.shape[0])
     if use_triton(x):
@@ -68,8 +72,28 @@ def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = Non
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, rows: torch.Tensor | None = None,
                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """MoE experts: sorted row m of expert e -> x[rows[m]] @ w[e]^T (see matmul.grouped_matmul)."""
+    """MoE experts: sorted row m of expert e -> x[rows[m]] @ w[e]^T (see matmul.grouped_matmul; FP8 experts:
+    matmul_fp8.grouped_matmul_fp8)."""
+    if _fp8.is_fp8(w):
+        scale, srows = _fp8.scales(w)
+        fn = _fp8.grouped_matmul_fp8 if use_triton(x) else _fp8.grouped_matmul_fp8_ref
+        return fn(x, w, scale, offsets, rows, srows, out_dtype)
     return (_mm.grouped_matmul if use_triton(x) else _mm.grouped_matmul_ref)(x, w, offsets, rows, out_dtype)
+
+
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ w^T for an FP8 weight w [N, K] (float8_e4m3fn with its block scales, matmul_fp8.mark): the
+    W8A16 kernel where the kernels run, else the twin (dequantize, then the fp32-accumulated matmul)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    out2 = None if out is None else out.view(-1, w.shape[0])
+    scale, rows = _fp8.scales(w)
+    if use_triton(x):
+        y = _fp8.matmul_fp8(x2, w, scale, rows, out_dtype, out=out2)
+    else:
+        y = _fp8.matmul_fp8_ref(x2, w, scale, rows, out_dtype)
+        y = y if out2 is None else out2.copy_(y)
+    return y.view(*x.shape[:-1], w.shape[0])
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -74,22 +74,18 @@ def grouped_matmul_ref(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, 
 if HAS_TRITON:
     from ._triton import cast_rn, mm
 
-    @triton.jit(do_not_specialize=["M"])
-    def _matmul_kernel(x, w, y, part, rows, tile_expert, tile_row0, offsets, M, N, K, E, K_PER_SPLIT,
-                       sxm, sxk, swe, swn, swk, sym, syn,
-                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUPED: tl.constexpr,
-                       GATHER: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr):
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        pid_k = tl.program_id(2)
+    @triton.jit
+    def tile_rows(pid_m, rows, tile_expert, tile_row0, offsets, M, E, BM: tl.constexpr, GROUPED: tl.constexpr,
+                  GATHER: tl.constexpr):
+        """The rows of M tile pid_m: (e, rm [BM], m_ok [BM], xr [BM] int64). Grouped: e is the tile's expert (E for a
+        spare tile of the static grid, which the caller skips), its rows run from tile_row0[pid_m] to its expert's
+        last; dense: e = 0, rows pid_m * BM.. below M. xr: the x row each output row reads (rows[rm] when GATHER)."""
         if GROUPED:
             e = tl.load(tile_expert + pid_m)
-            if e >= E:  # spare tile of the static grid
-                return
             row0 = tl.load(tile_row0 + pid_m)
-            row_end = tl.load(offsets + e + 1)
-            w = w + e.to(tl.int64) * swe
+            row_end = tl.load(offsets + tl.minimum(e, E - 1) + 1)
         else:
+            e = 0
             row0 = pid_m * BM
             row_end = M
         rm = row0 + tl.arange(0, BM)
@@ -98,6 +94,31 @@ if HAS_TRITON:
             xr = tl.load(rows + rm, mask=m_ok, other=0).to(tl.int64)
         else:
             xr = rm.to(tl.int64)
+        return e, rm, m_ok, xr
+
+    @triton.jit
+    def store_tile(y, part, acc, rm, rn, m_ok, n_ok, pid_k, M, N, sym, syn, SPLIT: tl.constexpr):
+        """The fp32 tile acc [BM, BN] to y[rm, rn] in y's dtype, or (SPLIT) to the partials part[pid_k, rm, rn]."""
+        out_mask = m_ok[:, None] & n_ok[None, :]
+        if SPLIT:
+            offs = (pid_k.to(tl.int64) * M + rm[:, None]) * N + rn[None, :]
+            tl.store(part + offs, acc, mask=out_mask)
+        else:
+            tl.store(y + rm[:, None].to(tl.int64) * sym + rn[None, :] * syn, cast_rn(acc, y.dtype.element_ty), mask=out_mask)
+
+    @triton.jit(do_not_specialize=["M"])
+    def _matmul_kernel(x, w, y, part, rows, tile_expert, tile_row0, offsets, M, N, K, E, K_PER_SPLIT,
+                       sxm, sxk, swe, swn, swk, sym, syn,
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUPED: tl.constexpr,
+                       GATHER: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        e, rm, m_ok, xr = tile_rows(pid_m, rows, tile_expert, tile_row0, offsets, M, E, BM, GROUPED, GATHER)
+        if GROUPED:
+            if e >= E:  # spare tile of the static grid
+                return
+            w = w + e.to(tl.int64) * swe
         rn = pid_n * BN + tl.arange(0, BN)
         n_ok = rn < N
         rk = tl.arange(0, BK)
@@ -111,12 +132,7 @@ if HAS_TRITON:
             b = tl.load(w + rn[None, :].to(tl.int64) * swn + kk[:, None] * swk, mask=n_ok[None, :] & k_ok[:, None],
                         other=0.0)
             acc = mm(a, b, acc, IEEE)
-        out_mask = m_ok[:, None] & n_ok[None, :]
-        if SPLIT:
-            offs = (pid_k.to(tl.int64) * M + rm[:, None]) * N + rn[None, :]
-            tl.store(part + offs, acc, mask=out_mask)
-        else:
-            tl.store(y + rm[:, None].to(tl.int64) * sym + rn[None, :] * syn, cast_rn(acc, y.dtype.element_ty), mask=out_mask)
+        store_tile(y, part, acc, rm, rn, m_ok, n_ok, pid_k, M, N, sym, syn, SPLIT)
 
     @triton.jit(do_not_specialize=["MN"])
     def _split_reduce_kernel(part, y, MN, N, S, sym, syn, BLOCK: tl.constexpr):

@@ -368,8 +368,7 @@ class PrefixCache:
     def lookup(self, tokens: list[int], keys: list[bytes]) -> list[int]:
         """The arena ids of the longest cached chain of `tokens`' grid blocks (keys: `block_keys` of at least the
         blocks asked about), leaving at least one token to prefill (the prompt's last row gives the first token's
-        logits). Counts the lookup in `stats` (queries += len(tokens), hits += the tokens found) and touches the
-        chain."""
+        logits); touches the chain. The caller counts the query in `stats`."""
         G = PREFILL_GRID
         n = min(len(keys), (len(tokens) - 1) // G)
         ids, parent = [], None
@@ -380,16 +379,18 @@ class PrefixCache:
             ids.append(e.bid)
             parent = keys[b]
         self._touch(parent)
-        self.stats.queries += len(tokens)
-        self.stats.hits += len(ids) * G
         return ids
 
-    def restore(self, ids: list[int], slot: int, window_slot: int, mtp_slot: int | None) -> torch.Tensor:
+    def restore(self, ids: list[int], slot: int, window_slot: int, mtp_slot: int | None,
+                first: int = 0) -> torch.Tensor:
         """Copy the chain `ids` (from `lookup`) into pool slot `slot`: K/V rows 0..nG-1, the GDN state at nG into
-        window slot `window_slot`, and (mtp_slot not None) the MTP head's K/V rows 0..nG-2 into that MTP slot.
-        Returns the pre-norm hidden of position nG-1 [H]."""
+        window slot `window_slot`, and (mtp_slot not None) the MTP head's K/V rows 0..nG-2 into that MTP slot;
+        `first` > 0: the slot holds blocks 0..first-1 already (their rows are not copied again). Returns the
+        pre-norm hidden of position nG-1 [H]."""
         G, pool = PREFILL_GRID, self.pool
         for b, bid in enumerate(ids):
+            if b < first:
+                continue
             parts = self._parts(bid)
             i = 0
             for c in pool.layers:

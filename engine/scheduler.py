@@ -132,6 +132,8 @@ class Scheduler:
                 prefix_cache_bytes = min(prefix_cache_bytes, PREFIX_CACHE_CPU_CAP)
         self.cache: PrefixCache | None = None
         self._writes: dict[SpecSession, _Writes] = {}
+        self._readers: set[SpecSession] = set()  # joining sessions that may still resume further (none prefilled)
+        self._pkeys: dict[SpecSession, list[bytes]] = {}  # joining sessions' full prompt blocks' chain keys
         self._decode_blocks = False
         if prefix_cache_bytes > 0:
             identity = f"{cfg!r}|{cfg.dtype}|{device}|{'row-wise' if self.packs else 'per-row'}|{id(model)}"
@@ -170,11 +172,14 @@ class Scheduler:
         """A new session (built on this scheduler's pool) joins: it resumes from the longest cached prefix of its
         prompt, and the rest prefills in grid blocks from the next step."""
         assert sess.pool is self.pool, "sessions must be built with pool=scheduler.pool"
-        if self.cache is not None:
-            if sess.cache.length == 0 and sess.want_prompt_logprobs is None:
-                self._resume(sess)
+        if self.cache is not None and sess.cache.length == 0:
+            self._pkeys[sess] = block_keys(sess.prompt_ids, len(sess.prompt_ids) // PREFILL_GRID, self.cache.root)
             if sess.k > 0 or self.pool.mtp is None:  # a plain session in an MTP pool writes no MTP rows
-                self._writes[sess] = _Writes(next=sess.cache.length // PREFILL_GRID)
+                self._writes[sess] = _Writes(keys=list(self._pkeys[sess]))
+            if sess.want_prompt_logprobs is None:  # prompt logprobs need every prompt row: no resume
+                self.cache.stats.queries += len(sess.prompt_ids)
+                self._readers.add(sess)
+                self._resume(sess)
         self.joining.append(sess)
 
     def remove(self, sess: SpecSession) -> None:
@@ -184,21 +189,27 @@ class Scheduler:
         elif sess in self.joining:
             self.joining.remove(sess)
         self._drop_writes(sess)
+        self._readers.discard(sess)
+        self._pkeys.pop(sess, None)
         sess.close()
 
     # -- prefix cache --------------------------------------------------------------------------------------------
     def _resume(self, sess: SpecSession) -> None:
-        """Restore the longest cached run of `sess`'s prompt blocks into its slot."""
+        """Restore the longest cached run of `sess`'s prompt blocks into its slot, when it is longer than what the
+        session holds (a session that has prefilled nothing itself looks again each step: blocks a session ahead of
+        it computed may have landed)."""
         pc, prompt = self.cache, sess.prompt_ids
         assert pc is not None
-        n = (len(prompt) - 1) // PREFILL_GRID
-        keys = block_keys(prompt, n, pc.root)
-        ids = pc.lookup(prompt, keys)
-        if not ids:
+        ids = pc.lookup(prompt, self._pkeys[sess])
+        have = sess.cached_tokens // PREFILL_GRID
+        if len(ids) <= have:
             return
-        B = len(ids) * PREFILL_GRID
-        carrier = pc.restore(ids, sess.slot, sess.cache.cur, sess.slot if sess.scratch is not None else None)
-        sess.resume(B, carrier)
+        carrier = pc.restore(ids, sess.slot, sess.cache.cur, sess.slot if sess.scratch is not None else None, have)
+        pc.stats.hits += (len(ids) - have) * PREFILL_GRID
+        sess.resume(len(ids) * PREFILL_GRID, carrier)
+        w = self._writes.get(sess)
+        if w is not None:
+            w.next = len(ids)
 
     def _writer(self, sess: SpecSession) -> _Writes | None:
         w = self._writes.get(sess)
@@ -274,9 +285,25 @@ class Scheduler:
     def _grants(self, budget: int) -> list[tuple[SpecSession, int]]:
         """How many grid blocks each joining session prefills this step, in arrival order: blocks while they fit
         in the budget, and the first one of the step whatever its size (a block never splits), unless the running
-        rows used the whole budget."""
+        rows used the whole budget. With the prefix cache, a session that has prefilled nothing yet first resumes
+        from blocks that landed since it joined, and waits while a session ahead of it still has to compute its
+        next block (the same prompt prefix arriving twice is computed once)."""
         out: list[tuple[SpecSession, int]] = []
+        coming: set[bytes] = set()  # full prompt blocks that sessions ahead in the queue will compute and cache
         for s in self.joining:
+            keys = self._pkeys.get(s)
+            if keys is not None:
+                b = s.cache.length // PREFILL_GRID
+                if s in self._readers:
+                    if s.prefill_tokens:  # it computes its own blocks now: no resume any more
+                        self._readers.discard(s)
+                    else:
+                        self._resume(s)
+                        b = s.cache.length // PREFILL_GRID
+                        if b < (len(s.prompt_ids) - 1) // PREFILL_GRID and keys[b] in coming:
+                            continue  # a session ahead computes this block: take it from the cache later
+                if s in self._writes:
+                    coming.update(keys[b:])
             pos, left, n = s.cache.length, s.prefill_left, 0
             while left > 0:
                 c = min(left, PREFILL_GRID - pos % PREFILL_GRID)
@@ -292,14 +319,22 @@ class Scheduler:
         return out
 
     def _forwards(self, rows: list[SpecSession]) -> list[list[SpecSession]]:
-        """One wave's forwards: all rows together when the model's prefill is row-wise and every row's slot has
-        room for the padding to the longest block, else one row each."""
-        if not self.packs or len(rows) == 1:
+        """One wave's forwards, in order: one row each unless the model's prefill is row-wise (`packs_rows`); then a
+        row joins the previous forward while its padded size (rows x longest block) stays within
+        max_num_batched_tokens and every row's slot has room for the padding, else it starts the next one."""
+        if not self.packs:
             return [[s] for s in rows]
-        T = max(s.next_chunk_len for s in rows)
-        if all(s.cache.length + T <= self.pool.capacity for s in rows):
-            return [rows]
-        return [[s] for s in rows]
+        out: list[list[SpecSession]] = []
+        for s in rows:
+            if out:
+                group = out[-1]
+                T = max(x.next_chunk_len for x in (*group, s))
+                if (len(group) + 1) * T <= self.max_num_batched_tokens and \
+                        all(x.cache.length + T <= self.pool.capacity for x in (*group, s)):
+                    group.append(s)
+                    continue
+            out.append([s])
+        return out
 
     def _prefill(self, rows: list[SpecSession]) -> None:
         """One block of each row's prompt (one wave), in the forwards `_forwards` chooses. A prompt that fails fails
@@ -336,6 +371,8 @@ class Scheduler:
         for s, _ in grants:
             if not s.prefilling or s.finished:
                 self.joining.remove(s)
+                self._readers.discard(s)
+                self._pkeys.pop(s, None)
                 counts[s] = 0
                 self.running.append(s)
         for s, before_n in counts.items():

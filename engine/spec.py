@@ -356,10 +356,12 @@ class SpecSession:
         """Start from a restored prefix (the prefix cache): the state of the first n prompt tokens is already in
         this session's slot (K/V rows 0..n-1, the GDN state at n in the live window slot, MTP rows 0..n-2), and
         `pre_last` [H] is position n-1's pre-norm hidden (the carrier of MTP row n-1). Only the rest of the prompt
-        prefills; n < the prompt's length."""
-        if self.cache.length or self.started or not 0 < n < len(self._to_prefill):
+        prefills; n < the prompt's length. A session that prefilled nothing itself may resume again, further."""
+        if self.cache.length != self.cached_tokens or self.prefill_tokens or self.started \
+                or not self.cache.length < n < len(self._to_prefill):
             raise ValueError(f"cannot resume a session at {n} of {len(self._to_prefill)} prompt tokens")
         self.cache.length = self._prefilled = self.cached_tokens = n
+        self._mtp_tokens, self._mtp_hidden = [], None  # an earlier resume's row n'-1, superseded
         self.committed = self._to_prefill[:n]
         self.last_pre = pre_last
         if self.k > 0:

@@ -203,19 +203,26 @@ def test_cancelled_mid_prefill_leaves_the_cache_consistent(model):
     _same(again.rows, ref.rows, "after a cancelled prefill")
 
 
-def test_two_sessions_on_one_new_prefix_compute_it_and_agree(model):
+def test_sessions_on_one_new_prefix_compute_it_once_and_agree(model):
+    """Three sessions join at once with one new 2-block prefix (and tails of their own): the first computes the
+    blocks, the others wait for them instead of computing them again, then resume from the cache; all three have a
+    cold run's bits. A fourth with the same prompt later resumes from the cache."""
     V = model.config.vocab_size
-    prompt = _prompt(V, 2 * G + 9, 41)
-    ref = _alone(model, prompt, 8)
-    sched = _sched(model, cache_mb=64)
-    a, b = (Rows(model, prompt, 8, k=3, pool=sched.pool) for _ in range(2))
-    _run(sched, {0: [a, b]})
-    assert a.cached_tokens == b.cached_tokens == 0 and sched.cache.stats.blocks >= 2
-    c = Rows(model, prompt, 8, k=3, pool=sched.pool)
-    _run(sched, {0: [c]})
-    assert c.cached_tokens == 2 * G
-    for s in (a, b, c):
+    base = _prompt(V, 2 * G + 9, 41)
+    prompts = [base, base[:2 * G] + _prompt(V, 30, 42), base]
+    refs = [_alone(model, p, 8) for p in prompts]
+    sched = _sched(model, budget=G, cache_mb=64)
+    ss = [Rows(model, p, 8, k=3, pool=sched.pool) for p in prompts]
+    _run(sched, {0: ss})
+    assert [s.cached_tokens for s in ss] == [0, 2 * G, 2 * G]
+    assert [s.prefill_tokens for s in ss] == [2 * G + 9, 30, 9]
+    later = Rows(model, base, 8, k=3, pool=sched.pool)
+    _run(sched, {0: [later]})
+    assert later.cached_tokens == 2 * G
+    for s, ref in zip(ss + [later], refs + refs[:1]):
         _same(s.rows, ref.rows, "same prefix at once")
+    st = sched.prefix_stats()
+    assert st.queries == sum(map(len, prompts)) + len(base) and st.hits == 3 * 2 * G
 
 
 def test_eviction_under_a_tiny_budget_keeps_hits_exact(model):

@@ -16,11 +16,14 @@ from __future__ import annotations
 import array
 import collections
 import hashlib
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from .model.config import Qwen35Config
+
+log = logging.getLogger("nextn.cache")
 
 
 class PoolFull(RuntimeError):
@@ -334,9 +337,14 @@ class PrefixCache:
             have = len(self._slabs) * self.SLAB
             if have < self.capacity:
                 n = min(self.SLAB, self.capacity - have)
-                self._slabs.append(self._slab(n))
-                self._free.extend(range(have + n - 1, have - 1, -1))
-            else:
+                try:
+                    self._slabs.append(self._slab(n))
+                    self._free.extend(range(have + n - 1, have - 1, -1))
+                except (torch.OutOfMemoryError, RuntimeError) as e:  # the device filled up: keep what we have
+                    log.warning("prefix cache: no memory for more blocks (%s); it stays at %d blocks", e, have)
+                    self.capacity = have
+                    self.stats.capacity_bytes = have * self.block_bytes
+            if not self._free:
                 self._evict_one()
         return self._free.pop() if self._free else None
 

@@ -133,6 +133,22 @@ def test_logits_alone_at_any_k_and_under_load_are_the_same_bits(model, n):
         assert s.prompt_logprobs == ref.prompt_logprobs
 
 
+def test_every_k_from_0_to_8_and_a_cache_hit_at_each(model):
+    """K = 0..8: the same logit rows alone, and resumed from a cache that a K = 3 session filled."""
+    V = model.config.vocab_size
+    prompt = _prompt(V, 2 * G + 37, 77)
+    ref = _alone(model, prompt, 12, k=0)
+    sched = Scheduler(model, max_num_seqs=2, max_model_len=1024, k=8, max_num_batched_tokens=512,
+                      prefix_cache_bytes=64 * MB)
+    _run(sched, {0: [SpecSession(model, prompt, 2, k=3, capmax=8, pool=sched.pool)]})
+    for k in range(9):
+        _same(_alone(model, prompt, 12, k=k, capmax=8).rows, ref.rows, f"K={k} alone")
+        hit = Rows(model, prompt, 12, k=k, capmax=8, pool=sched.pool)
+        _run(sched, {0: [hit]})
+        assert hit.cached_tokens == 2 * G
+        _same(hit.rows, ref.rows, f"K={k} from the cache")
+
+
 def test_a_long_prompt_past_2000_tokens(model):
     V = model.config.vocab_size
     prompt = _prompt(V, 2031, 5)
@@ -403,3 +419,18 @@ def test_eviction_takes_the_oldest_leaf_first():
     assert bid is not None and pc.stats.blocks == 2, "a reservation takes room (an evicted leaf's)"
     pc.release(bid)
     assert not pc.insert(kb, b, 1, 0, 0, window_slot=0, pre_last=torch.zeros(h)), "no parent: not inserted"
+
+
+def test_a_cache_that_cannot_grow_keeps_what_it_has(monkeypatch):
+    """A slab that fails to allocate (the device is full) caps the cache at what it holds, logged, and evicts
+    from then on: never an out-of-memory crash."""
+    pool = _tiny_pool()
+    pc = PrefixCache(pool, 64 * MB, "m")
+    toks = list(range(2 * G + 1))
+    keys = block_keys(toks, 2, pc.root)
+    h = pool.cfg.hidden_size
+    assert pc.insert(keys, toks, 0, 0, 0, window_slot=0, pre_last=torch.zeros(h))
+    pc._free.clear()  # the first slab is full
+    monkeypatch.setattr(pc, "_slab", lambda n: (_ for _ in ()).throw(torch.OutOfMemoryError("CUDA out of memory")))
+    assert not pc.insert(keys, toks, 1, 0, 0, window_slot=0, pre_last=torch.zeros(h)), "no room made for it"
+    assert pc.capacity == PrefixCache.SLAB and pc.stats.capacity_bytes == pc.capacity * pc.block_bytes

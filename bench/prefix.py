@@ -3,6 +3,7 @@
 
     python bench/prefix.py multiturn [--model demo|0.8b] [--conversations 8] [--turns 6] [--max-tokens 32]
     python bench/prefix.py long [--lengths 1000,4000,16000]
+    python bench/prefix.py copy [--tokens 2048]
 
 multiturn: N conversations of T turns run at once through `nextn serve` (chat, streaming, greedy), every one
 starting with the same ~2,000-token system prompt (tool definitions) and a user message of its own; each turn sends
@@ -285,6 +286,61 @@ def long_prompts(args: argparse.Namespace) -> None:
         print(f"| {n} | {serve[n]:.2f} | {hf_t[n]:.2f} | {hf_t[n] / serve[n]:.2f}x |")
 
 
+def copy_vs_paging(args: argparse.Namespace) -> None:
+    """What a hit's copy costs against the prefill it saves, and what paging would save in memory, at the 0.8B
+    shape in fp32 (in process: the scheduler and the cache, no server)."""
+    import torch
+
+    from engine.cache import PREFILL_GRID
+    from engine.loader import load_model
+    from engine.model.ops import cpu
+    from engine.scheduler import Scheduler
+    from engine.spec import SpecSession
+
+    cpu.set_threads(2)
+    torch.set_num_threads(1)
+    model = load_model(qwen08b_checkpoint())
+    n = args.tokens
+    sched = Scheduler(model, max_num_seqs=2, max_model_len=args.max_model_len, k=3, max_num_batched_tokens=4096,
+                      prefix_cache_bytes=8 << 30)
+    prompt = _ids(n + 1, 248044, 7)
+
+    def run() -> tuple[SpecSession, float]:
+        s = SpecSession(model, prompt, 1, k=3, pool=sched.pool)
+        t0 = time.perf_counter()
+        sched.add(s)
+        while not s.finished:
+            sched.step()
+        return s, time.perf_counter() - t0
+
+    cold, t_cold = run()
+    pc = sched.cache
+    ids = pc.lookup(prompt, block_keys_for(prompt, pc))
+    t0 = time.perf_counter()
+    for _ in range(5):
+        pc.restore(ids, cold.slot, 0, cold.slot)
+    t_copy = (time.perf_counter() - t0) / 5
+    hit, t_hit = run()
+    slot = sum(sched.reserved.values()) / sched.pool.slots
+    used = len(ids) * pc.block_bytes
+    print(f"\n### Prefix-cache hit: copy vs paging, 0.8B shape, fp32, {n}-token prefix ({len(ids)} blocks of "
+          f"{PREFILL_GRID})\n")
+    print("| figure | value |\n|---|---|")
+    print(f"| cold prefill of the prompt (s) | {t_cold:.2f} |")
+    print(f"| hit: request end to end (s) | {t_hit:.3f} ({hit.cached_tokens} tokens resumed) |")
+    print(f"| copying the {len(ids)} blocks into the slot (ms) | {t_copy * 1e3:.1f} ({t_copy / t_cold:.4f}x the "
+          f"prefill they replace) |")
+    print(f"| a slot's reservation at --max-model-len {args.max_model_len} (MiB) | {slot / 2**20:.0f} |")
+    print(f"| the cached blocks' bytes (MiB; a block is {pc.block_bytes / 2**20:.1f} MiB: K/V "
+          f"{PREFILL_GRID} positions + one GDN state) | {used / 2**20:.0f} |")
+
+
+def block_keys_for(prompt: list[int], pc) -> list:
+    from engine.cache import PREFILL_GRID, block_keys
+
+    return block_keys(prompt, (len(prompt) - 1) // PREFILL_GRID, pc.root)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="what", required=True)
@@ -299,9 +355,12 @@ def main() -> None:
     lg = sub.add_parser("long")
     lg.add_argument("--lengths", default="1000,4000,16000")
     lg.add_argument("--cpu-threads", type=int, default=None, help="the server's torch threads (default: its own)")
+    cp = sub.add_parser("copy")
+    cp.add_argument("--tokens", type=int, default=2048)
+    cp.add_argument("--max-model-len", type=int, default=4096)
     args = ap.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    multiturn(args) if args.what == "multiturn" else long_prompts(args)
+    {"multiturn": multiturn, "long": long_prompts, "copy": copy_vs_paging}[args.what](args)
 
 
 if __name__ == "__main__":

@@ -173,7 +173,7 @@ def test_the_build_is_chosen_by_the_cpu(monkeypatch):
         assert flags[:len(cpu.FLAGS)] == cpu.FLAGS
         assert flags[len(cpu.FLAGS):] == (("-DNEXTN_PORTABLE",) if portable else ()) + extra, (x86, feats)
     monkeypatch.setattr(cpu, "_force_portable", True)
-    assert cpu._portable_reason() == "forced (use_portable_build)"
+    assert cpu._portable_reason() == "forced by use_portable_build"
 
 
 def test_the_switch_refuses_once_the_other_build_is_loaded(monkeypatch):

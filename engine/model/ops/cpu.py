@@ -79,7 +79,7 @@ def _x86_features() -> set[str]:
 def _portable_reason() -> str | None:
     """Why this machine takes the portable build (None: the x86 one; see the module docstring)."""
     if _force_portable:
-        return "forced (use_portable_build)"
+        return "forced by use_portable_build"
     if not X86:
         return f"{platform.machine() or 'this CPU'} is not x86"
     if _x86_features() == {"fma"}:

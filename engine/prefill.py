@@ -5,13 +5,13 @@ A prompt is prefilled in grid blocks (`engine.cache.PREFILL_GRID`): a block star
 and stops at the next multiple of the grid (absolute positions) or at the prompt's end, so where a prompt's chunks
 split never depends on the token budget, the batch or K. What a block computes must not depend on the batch either:
 
-  * on a CPU with the C kernels (fp32, the GEMM built, a dense MLP) every op of the forward is row-wise with a fixed
+  * on a CPU with the C kernels (fp32, the GEMM built; MoE experts too) every op of the forward is row-wise with a fixed
     order of sums (engine/model/ops/cpu.py), so one forward may carry the next block of several sessions
     (right-padded) and a block's bits are what its row alone computes: `packs_rows` is True. The same kernels run the
     decode and verify steps, so a state reached by decoding is bitwise the state a prefill of the same tokens
     reaches (`steps_match_prefill`): the prefix cache may then keep blocks that generated tokens completed;
-  * elsewhere (the torch path: a GEMM whose rounding follows the row count, SDPA over padded rows; MoE routing on a
-    CPU; the GPU's prefill until its kernels are batch-invariant) each forward carries one block of one session,
+  * elsewhere (the torch path: a GEMM whose rounding follows the row count, SDPA over padded rows; the GPU's
+    prefill until its kernels are batch-invariant) each forward carries one block of one session,
     whose shape depends on the block alone, so its bits are the same whatever else runs.
 """
 from __future__ import annotations
@@ -35,9 +35,10 @@ def packs_rows(model: Qwen35ForCausalLM) -> bool:
     w = model.lm_head.weight
     cfg = model.config
     return (w.device.type == "cpu" and w.dtype == torch.float32 and not ops.use_triton(w) and cpu.available()
-            and cpu.gemm_takes(w[:1], w) and not cfg.is_moe and 2 <= cfg.linear_conv_kernel_dim <= 16
-            and all(p.shape[1] % 8 == 0 for n, p in model.named_parameters() if p.dim() == 2
-                    and not n.endswith("embed_tokens.weight")))
+            and cpu.gemm_takes(w[:1], w) and 2 <= cfg.linear_conv_kernel_dim <= 16
+            and all(p.shape[-1] % 8 == 0 and p.is_contiguous() for n, p in model.named_parameters()
+                    if p.dim() >= 2 and not n.endswith(("embed_tokens.weight", "conv1d.weight")))
+            and (not cfg.is_moe or cfg.moe_intermediate_size % 8 == 0))
 
 
 steps_match_prefill = packs_rows

@@ -143,7 +143,7 @@ def test_gdn_step_has_the_x86_bits(libs, record):
         _same(a, b, f"GDN record={record}: {what}")
 
 
-def test_rms_norm_and_argmax_have_the_x86_bits(libs):
+def test_rms_norm_argmax_and_sigmoid_have_the_x86_bits(libs):
     g = torch.Generator().manual_seed(5)
     x = _awkward(9, 40, gen=g)
     x[x.isinf()] = 0.0  # rms of a row with an infinity is NaN throughout: kept out (NaN payloads aside)
@@ -158,6 +158,10 @@ def test_rms_norm_and_argmax_have_the_x86_bits(libs):
     nat, port = _both(libs, lambda: cpu.argmax_or_none(logits))
     assert_bitwise(port, nat, "argmax")
     assert port.tolist()[1:4] == [700, 5, 0]
+    z = _awkward(3, 37, gen=g) * 20
+    nat, port = _both(libs, lambda: cpu.sigmoid(z))
+    _same(port, nat, "sigmoid")
+    assert torch.equal(nat, torch.cat([cpu.sigmoid(z.flatten()[i:i + 1]) for i in range(z.numel())]).view_as(z))
 
 
 def test_the_build_is_chosen_by_the_cpu(monkeypatch):

@@ -304,6 +304,27 @@ def test_stats_count_queried_and_hit_tokens(model):
     assert st.blocks >= 1 and st.bytes == st.blocks * sched.cache.block_bytes and st.capacity_bytes >= st.bytes
 
 
+def test_a_moe_model_is_row_wise_on_the_c_path_too(tmp_path):
+    """MoE on the C kernels: the router's GEMM, each expert's rows, the shared expert and its gate row by row, each
+    token's experts summed in slot order. So a MoE model packs rows too, and a request's logits are the same bits
+    alone, at K = 0 and 3, under load, and from the cache (blocks its decode completed included)."""
+    model = load_model(make_checkpoint(tmp_path / "moe", seed=43, moe=True, with_tokenizer=False))
+    assert packs_rows(model)
+    V = model.config.vocab_size
+    prompt = _prompt(V, G + 40, 44)
+    ref = _alone(model, prompt, 260, k=3)
+    _same(_alone(model, prompt, 260, k=0).rows, ref.rows, "MoE, K=0")
+    sched = _sched(model, budget=7 * 4 + 60, cache_mb=64)
+    s = Rows(model, prompt, 260, k=3, pool=sched.pool)
+    _under_load(model, sched, s)
+    _same(s.rows, ref.rows, "MoE under load")
+    turn2 = prompt + s.emitted + _prompt(V, 9, 45)
+    hit = Rows(model, turn2, 6, k=3, pool=sched.pool)
+    _run(sched, {0: [hit]})
+    assert hit.cached_tokens == 2 * G
+    _same(hit.rows, _alone(model, turn2, 6, k=3).rows, "MoE from the cache")
+
+
 # ------------------------------------------------------------------------------------------ the torch path
 def _state(s: SpecSession) -> list[torch.Tensor]:
     out = []

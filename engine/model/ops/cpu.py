@@ -175,6 +175,9 @@ def _build(portable: bool | None = None) -> ctypes.CDLL | None:
     fn.argtypes = [i64, i64, ptr, i64, ptr, ptr, ctypes.c_float, ptr, ptr, i64, i64, ptr, ptr, i64, ptr, ptr, i64,
                    i64, i64, ctypes.c_float, ptr]
     fn.restype = ctypes.c_int
+    fn = lib.nextn_sigmoid_f32
+    fn.argtypes = [i64, ptr, ptr]
+    fn.restype = ctypes.c_int
     fn = lib.nextn_rms_norm_f32
     fn.argtypes = [i64, i64, ptr, i64, ptr, ctypes.c_float, ptr]
     fn.restype = ctypes.c_int
@@ -450,6 +453,20 @@ def rms_norm(x: torch.Tensor, w1: torch.Tensor, eps: float) -> torch.Tensor:
     x2, pitch = _rows(x)  # rows of a view (q / k heads inside a projection): one pitch, or a copy
     if H:
         lib.nextn_rms_norm_f32(x.numel() // H, H, x2.data_ptr(), pitch, w1.data_ptr(), eps, y.data_ptr())
+    return y
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """1 / (1 + e^-x) element by element (cpu_attn.c, cpu_vec.h's exp): x fp32 (any shape and layout); a new
+    contiguous tensor. An element's bits never depend on the tensor's size or its index, unlike torch.sigmoid's
+    (vectorised body and scalar tail round differently)."""
+    lib = _lib_or_raise()
+    if x.dtype != torch.float32:
+        raise ValueError("sigmoid: x must be float32")
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    if x.numel():
+        lib.nextn_sigmoid_f32(x.numel(), x.data_ptr(), y.data_ptr())
     return y
 
 

@@ -12,6 +12,7 @@
  *          p = softmax(s), o = sum_j p_j v_j
  *   gate:  out = o * sigmoid(gate)
  * nextn_rms_norm_f32: y = x * rsqrt(sum(x^2) / H + eps) * w1, per row.
+ * nextn_sigmoid_f32: y = 1 / (1 + e^-x), element by element, the same bits wherever an element sits.
  *
  * Every (row, token) runs the same code in the same order whatever N and T are, and no sum is reordered by the
  * compiler (no -ffast-math, -ffp-contract=off; the 8-lane partial sums are written out), so a row's bits never
@@ -340,5 +341,15 @@ int nextn_attn_step_f32(int64_t N, int64_t T, const float *qkv, int64_t qkv_row,
 int nextn_rms_norm_f32(int64_t rows, int64_t H, const float *x, int64_t ldx, const float *w1, float eps,
                        float *y) {
     for (int64_t i = 0; i < rows; i++) rms_(x + i * ldx, w1, eps, H, y + i * H);
+    return 0;
+}
+
+/* y[i] = 1 / (1 + e^-x[i]), i < n, with cpu_vec.h's exp: the same operations for every element wherever it sits
+ * (the tail as one padded vector), so an element's bits do not depend on n or its index (torch's sigmoid rounds
+ * its vectorised body and its scalar tail differently) */
+int nextn_sigmoid_f32(int64_t n, const float *x, float *y) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) st8_(y + i, 1.0f / (1.0f + exp8_(-ld8_(x + i))));
+    if (i < n) stn_(y + i, 1.0f / (1.0f + exp8_(-ldn_(x + i, n - i, 0.0f))), n - i);
     return 0;
 }

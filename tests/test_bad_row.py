@@ -5,8 +5,10 @@ telemetry are bit for bit those of the same batch run without it. A row failing 
 verify forward. Alone, the failure is the caller's exception."""
 from __future__ import annotations
 
+import concurrent.futures
 import sys
 
+import openai
 import pytest
 import torch
 
@@ -16,8 +18,10 @@ from engine.sampling import PenaltyState, SpecSampling
 from engine.scheduler import Scheduler
 from engine.spec import SpecSession
 from engine.tokenizer import Tokenizer
+from grammar import GrammarError
 from grammar.compile import GrammarCompiler, GuidanceTokenizer, source_from_request
 from grammar.constraint import GuidanceConstraint
+from tests.server_fixtures import ServerThread, wait_until
 from tests.tiny import make_checkpoint
 
 K = 3  # the scheduler's K; the good rows draft 2, the bad row 3 (so its leaving changes the round's width)
@@ -271,3 +275,114 @@ def test_alone_the_failure_is_the_callers_exception(tiny, kind, step):
     assert e.value is cue.fired and s.error is cue.fired and s.finished and s.finish_reason == "error"
     assert s.step() == []  # finished: nothing more
 
+
+# --------------------------------------------------------------------------------------- through the server
+LARK_BODY = {"structured_outputs": LARK["structured_outputs"], "ignore_eos": True}
+#: a request's `seed` arms its grammar to raise at its 4th draft_allowed call in a batch of several rows: seed -> what
+SERVER_CUES: dict[int, BaseException] = {}
+SERVER_STATE: dict[str, object] = {}
+
+
+class FailingGrammar:
+    """Wraps a request's constraint; its draft_allowed raises `err` at the 4th call made while other rows share
+    the batch (worker thread: the scheduler is its own)."""
+
+    def __init__(self, inner, err: BaseException) -> None:
+        self._inner, self._err, self._calls = inner, err, 0
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def draft_allowed(self, tok):
+        self._calls += len(SERVER_STATE["worker"].scheduler.running) > 1
+        if self._calls == 4:
+            SERVER_STATE["fired"] = True
+            raise self._err
+        return self._inner.draft_allowed(tok)
+
+
+class CuedServerSession(SpecSession):
+    """The worker's session: a request whose seed is in SERVER_CUES gets a grammar that raises mid-round."""
+
+    def __init__(self, model, prompt_ids, max_new_tokens, *, sampling=SpecSampling(), constraint=None, **kw):
+        if sampling.seed in SERVER_CUES:
+            constraint = FailingGrammar(constraint, SERVER_CUES[sampling.seed])
+        super().__init__(model, prompt_ids, max_new_tokens, sampling=sampling, constraint=constraint, **kw)
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerThread(worker_kw={"session_factory": CuedServerSession}, max_num_seqs=6) as s:
+        SERVER_STATE["worker"] = s.worker
+        yield s
+
+
+def _good_requests(c, model: str) -> list:
+    """Three requests that run together: greedy, greedy under a grammar, sampled; with logprobs (the logit rows'
+    log-softmax, printed exactly)."""
+    kw = dict(model=model, max_tokens=30, logprobs=3)
+    calls = [lambda: c.completions.create(prompt="Hello world", temperature=0, extra_body={"ignore_eos": True}, **kw),
+             lambda: c.completions.create(prompt="The quick brown fox", temperature=0, extra_body=LARK_BODY, **kw),
+             lambda: c.completions.create(prompt="numbers", temperature=0.9, seed=5, extra_body={"ignore_eos": True},
+                                          **kw)]
+    with concurrent.futures.ThreadPoolExecutor(len(calls)) as ex:
+        return [f.result() for f in [ex.submit(f) for f in calls]]
+
+
+def _outputs(rs) -> list:
+    return [(ch.text, ch.finish_reason, ch.logprobs.token_logprobs, ch.logprobs.top_logprobs)
+            for r in rs for ch in r.choices]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("err,status", [
+    (lambda: Injected("the grammar broke"), 500),
+    (lambda: GrammarError("structured_outputs.grammar: this grammar cannot be followed here",
+                          "structured_outputs.grammar"), 400)], ids=["internal", "input"])
+def test_a_request_whose_grammar_raises_mid_round_through_the_server(server, err, status, stream):
+    """The bad request gets its error (500 internal_error naming it; 400 naming the field when the request's own
+    grammar is at fault), as a status or, streaming, as an error event; the requests decoded beside it get exactly
+    the answer (tokens and logprobs) they get without it."""
+    c = openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0)
+    ref = _outputs(_good_requests(c, server.model))
+    SERVER_CUES[777] = err()
+    SERVER_STATE["fired"] = False
+
+    def bad():  # long enough to be running when the others arrive
+        kw = dict(model=server.model, prompt="abc", max_tokens=400, temperature=0, seed=777, extra_body=LARK_BODY)
+        if not stream:
+            return c.completions.create(**kw)
+        return list(c.completions.create(stream=True, **kw))
+
+    with concurrent.futures.ThreadPoolExecutor(1) as ex:
+        failed = ex.submit(bad)
+        assert wait_until(lambda: server.worker.num_active == 1)
+        got = _outputs(_good_requests(c, server.model))
+        with pytest.raises(openai.APIError) as e:
+            failed.result()
+    assert SERVER_STATE["fired"]
+    assert got == ref
+    if stream:  # the stream had begun: the error comes as an event
+        assert e.value.body["type"] == ("server_error" if status == 500 else "invalid_request_error")
+    else:
+        assert e.value.status_code == status
+    body = e.value.body
+    if status == 500:
+        assert body["code"] == "internal_error" and "Injected: the grammar broke" in body["message"]
+    else:
+        assert body["param"] == "structured_outputs.grammar" and "cannot be followed" in body["message"]
+    assert wait_until(lambda: server.worker.num_active == 0 and server.worker.num_waiting == 0)
+
+
+def test_a_grammar_error_from_the_engine_process_keeps_its_field():
+    """The engine process pickles a session's error to the server: a GrammarError keeps its `param`, so the 400
+    still names the request's field; anything else is a 500 internal_error naming it."""
+    import pickle
+
+    from server.serving import session_error
+
+    e = session_error(pickle.loads(pickle.dumps(GrammarError("regex: cannot be followed", "structured_outputs.regex"))))
+    assert (e.status, e.param, e.code, e.message) == (400, "structured_outputs.regex", "invalid_grammar",
+                                                      "regex: cannot be followed")
+    e = session_error(pickle.loads(pickle.dumps(Injected("mask failed"))))
+    assert (e.status, e.code, e.message) == (500, "internal_error", "generation failed: Injected: mask failed")

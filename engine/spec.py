@@ -14,6 +14,8 @@ One round (`spec_round`, over the N running sessions of one state pool):
      target's own column (exact: a legal unmasked argmax IS the masked argmax); EOS among accepted drafts ends
      the row; commit last + d[:n_acc], emit d[:n_acc] + [bonus], and roll back in O(1): attention KV by length,
      GDN by making the recorded slot of the last kept token live.
+A row whose own hook (grammar, penalties, sampler) raises at any step fails alone; the other rows go on as if it
+had never been in the batch.
 `SpecSession` holds one request's state; `engine.scheduler.Scheduler` batches sessions (continuous batching,
 chunked prefill). A session built without a scheduler runs alone on a private one-slot pool (`generate_spec`).
 """
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 
@@ -298,7 +300,8 @@ class SpecSession:
         self.scratch = MtpScratch(self.cfg, pool.capacity, pool=pool, slot=slot) if self.k > 0 else None
 
     def step(self, max_rounds: int = 1) -> list[int]:
-        """Alone: advance the session; returns the newly emitted token ids (empty only once finished)."""
+        """Alone: advance the session; returns the newly emitted token ids (empty only once finished). A hook that
+        raises in a round (its grammar, ...) fails the session and the exception propagates."""
         if self.finished or self._closed:
             return []
         start = len(self.emitted)
@@ -310,6 +313,8 @@ class SpecSession:
             if self.finished:
                 break
             spec_round(self.model, [self])
+            if self.error is not None:  # alone, a failure is the caller's exception
+                raise self.error
         return self.emitted[start:]
 
     def run(self) -> list[int]:
@@ -612,6 +617,19 @@ def _queued_mtp_rows(rows: list[SpecSession]) -> tuple[torch.Tensor, torch.Tenso
     return toks, hid, n
 
 
+def _hook(r: SpecSession, fallback: Any, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+    """`fn(*args, **kw)`: one of row r's own hooks (grammar, penalties) inside the batched round. If it raises, r
+    fails (its request gets the error) and `fallback` stands in, so the batch's tensors keep their shape and no
+    other row sees a difference; a failed row's hooks are not called again."""
+    if r.error is not None:
+        return fallback
+    try:
+        return fn(*args, **kw)
+    except Exception as e:  # noqa: BLE001 - one row's hook fails that row only
+        r.fail(e)
+        return fallback
+
+
 def _pick(rows: list[SpecSession], logits: torch.Tensor, extra: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
                                                                                         list[torch.Tensor | None]]:
     """Each row's draft from its MTP logits [A, V] (fp32): argmax for greedy rows, a draw from q for sampled ones.
@@ -619,15 +637,19 @@ def _pick(rows: list[SpecSession], logits: torch.Tensor, extra: torch.Tensor) ->
     Returns (tokens [A] long, top probability [A] (None at depth 0, where the p-min cut does not apply, and when no
     row has p_min > 0: a probability is never below 0), q rows)."""
     j = extra.shape[1]
-    proc = torch.stack([r._pen.apply(logits[i], r.sampling, extra[i], n_out=len(r.emitted) + j)
+    proc = torch.stack([_hook(r, logits[i], r._pen.apply, logits[i], r.sampling, extra[i], n_out=len(r.emitted) + j)
                         for i, r in enumerate(rows)]) if any(r.sampling.processes for r in rows) else logits
     top = torch.softmax(proc, dim=-1).amax(dim=-1) if j and any(r.p_min > 0 for r in rows) else None  # [A]
     tok = ops.argmax(proc)  # [A]
     qs: list[torch.Tensor | None] = [None] * len(rows)
     for i, r in enumerate(rows):
-        if not r.sampling.greedy:
-            qs[i] = probs_from_logits(proc[i], r.sampling)  # [V]
-            tok[i] = sample(qs[i], r._gen)
+        if not r.sampling.greedy and r.error is None:
+            try:
+                qs[i] = probs_from_logits(proc[i], r.sampling)  # [V]
+                tok[i] = sample(qs[i], r._gen)
+            except Exception as e:  # noqa: BLE001 - one row's sampler fails that row only
+                r.fail(e)
+                continue
             if top is not None:
                 top[i] = qs[i].amax()
     return tok, top, qs
@@ -637,7 +659,8 @@ def _draft(model: Qwen35ForCausalLM, rows: list[SpecSession], ks: list[int],
            runner: StepRunner = EAGER) -> tuple[torch.Tensor, list[list]]:
     """Draft up to ks[i] tokens per row, one MTP head forward per depth over every row still drafting.
     Returns drafts [N, max ks] (long, -1 where a row drafts nothing: fewer wanted, p-min cut, constraint) and the
-    q rows of sampled rows (qs[i][j])."""
+    q rows of sampled rows (qs[i][j]). A row whose hook raises is failed and leaves the chained forwards; its drafts
+    row is meaningless (`spec_round` drops it)."""
     N, K = len(rows), max(ks)
     dev = rows[0].device
     drafts = torch.full((N, K), -1, dtype=torch.long, device=dev)
@@ -657,11 +680,13 @@ def _draft(model: Qwen35ForCausalLM, rows: list[SpecSession], ks: list[int],
         r._mtp_tokens, r._mtp_hidden = [], None
         r._window = 0  # drafts the constraint consumed this round
         if r.constraint is not None and hasattr(r.constraint, "draft_begin"):
-            r.constraint.draft_begin()
+            _hook(r, None, r.constraint.draft_begin)
     alive = torch.ones(len(act), dtype=torch.bool, device=dev)
     for j in range(K):
-        live = [a for a, i in enumerate(act) if ks[i] > j]
-        if j > 0 and len(live) < len(act):
+        live = [a for a, i in enumerate(act) if ks[i] > j and rows[i].error is None]
+        if j > 0 and len(live) < len(act):  # rows done drafting or failed leave the chained forwards
+            if not live:
+                break
             act, h, alive = [act[a] for a in live], h[live], alive[live]
         ix = act if len(act) < N else slice(None)  # drafts' rows of `act` (all rows: views, not gathers)
         if j > 0:  # chained depth: the previous draft and the head's own hidden, one row each
@@ -670,8 +695,9 @@ def _draft(model: Qwen35ForCausalLM, rows: list[SpecSession], ks: list[int],
                                  [len(rows[i].committed) - 1 + j for i in act], None)  # [A, 1, H], [A, V]
         arows = [rows[i] for i in act]
         for a, r in enumerate(arows):  # grammars propose legal drafts only (drafts never affect exactness)
-            if r.constraint is not None and hasattr(r.constraint, "draft_mask_logits") and bool(alive[a]):
-                lg[a] = r.constraint.draft_mask_logits(lg[a])
+            if r.constraint is not None and hasattr(r.constraint, "draft_mask_logits") and r.error is None \
+                    and bool(alive[a]):
+                lg[a] = _hook(r, lg[a], r.constraint.draft_mask_logits, lg[a])
         tok, top, q = _pick(arows, lg, drafts[ix, :j])
         if top is not None:  # j > 0 and some row has p_min > 0
             # p-min tests the drafter's TOP probability before a token is chosen: whether position j is drafted
@@ -681,17 +707,20 @@ def _draft(model: Qwen35ForCausalLM, rows: list[SpecSession], ks: list[int],
             r = rows[i]
             qs[i][j] = q[a]
             if r.draft_override is not None or (r.constraint is not None and hasattr(r.constraint, "draft_allowed")):
-                if not bool(alive[a]):  # a host decision per draft: test hooks and grammars only
+                if r.error is not None or not bool(alive[a]):  # a host decision per draft: test hooks, grammars
                     continue
-                d = int(tok[a])
-                if r.draft_override is not None:
-                    d = r.draft_override(len(r.committed) + 1 + j, j, d)
-                    tok[a] = d
-                if r.constraint is not None and hasattr(r.constraint, "draft_allowed"):
-                    if r.constraint.draft_allowed(d):
-                        r._window += 1
-                    else:
-                        alive[a] = False
+                try:
+                    d = int(tok[a])
+                    if r.draft_override is not None:
+                        d = r.draft_override(len(r.committed) + 1 + j, j, d)
+                        tok[a] = d
+                    if r.constraint is not None and hasattr(r.constraint, "draft_allowed"):
+                        if r.constraint.draft_allowed(d):
+                            r._window += 1
+                        else:
+                            alive[a] = False
+                except Exception as e:  # noqa: BLE001 - one row's hook fails that row only
+                    r.fail(e)
         drafts[ix, j] = torch.where(alive, tok, -1)
     # a cut is final: nothing after the first -1 counts
     drafts = torch.where(torch.cumprod((drafts >= 0).long(), dim=1).bool(), drafts, -1)
@@ -702,7 +731,8 @@ def _accept(rows: list[SpecSession], logits: torch.Tensor, drafts: torch.Tensor,
             ks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Acceptance for every row on the device. logits [N, T, V] (fp32), drafts [N, T-1] (-1 = none), ks the drafts
     each row asked for.
-    Returns (n_acc [N], out [N, T]) with out[i, :n_acc] = the accepted drafts and out[i, n_acc] = the bonus."""
+    Returns (n_acc [N], out [N, T]) with out[i, :n_acc] = the accepted drafts and out[i, n_acc] = the bonus (a row
+    whose hook raised is failed; its entries are meaningless)."""
     N, T, _ = logits.shape
     K = T - 1
     dev = logits.device
@@ -713,16 +743,17 @@ def _accept(rows: list[SpecSession], logits: torch.Tensor, drafts: torch.Tensor,
         # column t of row i chooses output token len(emitted) + t (min_tokens); host ints, no sync
         later = torch.arange(K, device=dev) >= cols[:, None]  # [T, K]: draft j comes after column t
         ex = drafts[:, None, :].expand(N, T, K).masked_fill(later, -1)  # [N, T, K]
-        proc = torch.stack([r._pen.apply(logits[i], r.sampling, ex[i], n_out=len(r.emitted))
+        proc = torch.stack([_hook(r, logits[i], r._pen.apply, logits[i], r.sampling, ex[i], n_out=len(r.emitted))
                             for i, r in enumerate(rows)])
     # greedy rows under a grammar accept by the MASKED argmax of each column (what constrained plain greedy picks
     # after the same drafts): the masks of the states the drafts reached, kept while drafting
-    masks = [(i, r.constraint.window_mask(r._window + 1, dev)) for i, r in enumerate(rows) if ks[i] > 0
-             and r.sampling.greedy and r.constraint is not None and hasattr(r.constraint, "window_mask")]
+    masks = [(i, _hook(r, None, r.constraint.window_mask, r._window + 1, dev)) for i, r in enumerate(rows)
+             if ks[i] > 0 and r.sampling.greedy and r.constraint is not None and hasattr(r.constraint, "window_mask")]
     if masks:
         proc = proc.clone()
         for i, m in masks:
-            proc[i, :m.shape[0]] = proc[i, :m.shape[0]].masked_fill(~m, float("-inf"))
+            if m is not None:  # None: the row failed
+                proc[i, :m.shape[0]] = proc[i, :m.shape[0]].masked_fill(~m, float("-inf"))
     am = ops.argmax(proc.flatten(0, 1)).view(N, T)  # [N, T]
     if K == 0:  # plain steps only: nothing to accept, each bonus is its row's column-0 choice
         n_acc, bonus = torch.zeros(N, dtype=torch.long, device=dev), am[:, 0]
@@ -731,22 +762,25 @@ def _accept(rows: list[SpecSession], logits: torch.Tensor, drafts: torch.Tensor,
         n_acc = torch.cumprod(match.long(), dim=1).sum(dim=1)  # [N]
         bonus = am.gather(1, n_acc[:, None])[:, 0]  # [N]
     for i, r in enumerate(rows):
-        if r.sampling.greedy or r.constraint is not None:  # constrained rows choose on the host (commit_round)
+        if r.sampling.greedy or r.constraint is not None or r.error is not None:  # constrained: in commit_round
             continue
-        # Leviathan/Chen: accept d_j w.p. min(1, p/q); on the first reject draw from norm(max(0, p - q));
-        # when all are accepted the bonus comes from p of the next column
-        p = probs_from_logits(proc[i], r.sampling)  # [T, V]
-        q = torch.stack([qj if qj is not None else torch.zeros_like(p[0]) for qj in qs[i][:K]] + [torch.zeros_like(p[0])])
-        kw = ks[i]  # the draws a row makes depend on the row alone, never on the batch
-        u = torch.rand(kw, generator=r._gen, dtype=torch.float64, device=dev)
-        d = drafts[i, :kw].clamp_min(0)
-        ok = (u * q[cols[:kw], d] < p[cols[:kw], d]) & valid[i, :kw]
-        na = torch.cumprod(ok.long(), dim=0).sum()
-        kd = valid[i].sum()
-        resid = torch.clamp(p[na] - q[na], min=0.0)
-        use_resid = (na < kd) & (resid.sum() > 0)
-        dist = torch.where(use_resid, resid / resid.sum().clamp_min(1e-300), p[na])
-        n_acc[i], bonus[i] = na, sample(dist, r._gen)
+        try:  # Leviathan/Chen: accept d_j w.p. min(1, p/q); on the first reject draw from norm(max(0, p - q));
+            # when all are accepted the bonus comes from p of the next column
+            p = probs_from_logits(proc[i], r.sampling)  # [T, V]
+            q = torch.stack([qj if qj is not None else torch.zeros_like(p[0]) for qj in qs[i][:K]]
+                            + [torch.zeros_like(p[0])])
+            kw = ks[i]  # the draws a row makes depend on the row alone, never on the batch
+            u = torch.rand(kw, generator=r._gen, dtype=torch.float64, device=dev)
+            d = drafts[i, :kw].clamp_min(0)
+            ok = (u * q[cols[:kw], d] < p[cols[:kw], d]) & valid[i, :kw]
+            na = torch.cumprod(ok.long(), dim=0).sum()
+            kd = valid[i].sum()
+            resid = torch.clamp(p[na] - q[na], min=0.0)
+            use_resid = (na < kd) & (resid.sum() > 0)
+            dist = torch.where(use_resid, resid / resid.sum().clamp_min(1e-300), p[na])
+            n_acc[i], bonus[i] = na, sample(dist, r._gen)
+        except Exception as e:  # noqa: BLE001 - one row's sampler fails that row only
+            r.fail(e)
     if K == 0:
         return n_acc, bonus[:, None]
     out = torch.where(cols < n_acc[:, None], torch.cat([drafts, bonus[:, None]], 1), bonus[:, None])  # [N, T]
@@ -757,22 +791,31 @@ def _accept(rows: list[SpecSession], logits: torch.Tensor, drafts: torch.Tensor,
 def spec_round(model: Qwen35ForCausalLM, rows: list[SpecSession], runner: StepRunner = EAGER) -> None:
     """One speculative round for every session in `rows` (all started, unfinished, in one pool): draft, one
     verify forward of N x T tokens, acceptance on the device, ONE host copy, then each row's commit.
-    `runner` runs the forwards (engine/graphs.py: eagerly, or the scheduler's CUDA graphs)."""
+    `runner` runs the forwards (engine/graphs.py: eagerly, or the scheduler's CUDA graphs). A row whose own hook
+    (grammar, penalties, sampler) raises fails alone (`SpecSession.fail`): while drafting, it leaves the round before
+    the verify; in acceptance or commit, its result is dropped. Every op is row-wise, so the other rows' tokens and
+    logits are bit for bit those of a round without it. A batched forward that fails raises: every row is in doubt."""
     ks = [r.k_round() for r in rows]
     fork = optipipe_round(rows, ks)  # OPTIPIPE research door (engine/optipipe.py): None unless armed
     drafts, qs = _draft(model, rows, ks, runner)  # [N, K]
+    if any(r.error is not None for r in rows):  # rows a hook failed while drafting leave before the verify
+        keep = [i for i, r in enumerate(rows) if r.error is None]
+        rows, ks, qs, fork = [rows[i] for i in keep], [ks[i] for i in keep], [qs[i] for i in keep], None
+        if not rows:
+            return
+        drafts = drafts[keep, :max(ks)]  # [N', K'] as if the failed rows had never drafted
     tokens = torch.cat([torch.tensor([[r.pending] for r in rows], device=drafts.device), drafts.clamp_min(0)], 1)
     pre, post, logits = runner.verify(model, rows[0].pool, tokens, [r.slot for r in rows],
                                       [r.cache.length for r in rows], [r.cache.cur for r in rows])  # [N, T, *]
     n_acc, out = _accept(rows, logits, drafts, qs, ks)
     host = torch.cat([n_acc[:, None], (drafts >= 0).sum(1, keepdim=True), out], 1).tolist()  # the one host sync
     for i, r in enumerate(rows):
+        if r.error is not None:  # a hook failed in acceptance
+            continue
         na, kd, *toks = host[i]
         try:
             r.commit_round(kd, na, toks[:na + 1], logits[i], (post if r.hidden_mode == "post" else pre)[i], pre[i])
         except Exception as e:  # noqa: BLE001 - one row's failure (e.g. its grammar) fails that row only
-            if len(rows) == 1:
-                raise
             r.fail(e)
     if fork is not None:  # OPTIPIPE: shadow check and resolution; never changes a token or the committed state
         fork.resolve(model, drafts, host)

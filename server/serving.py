@@ -84,6 +84,15 @@ def internal_error(where: str, exc: BaseException, logger: logging.Logger = log)
     return APIError(500, f"internal error: {type(exc).__name__}", code="internal_error")
 
 
+def session_error(err: BaseException) -> APIError:
+    """The error a request gets when one of its sessions failed while generating (its other rows of the batch go
+    on): 400 when the request's own input caused it (a `GrammarError`: the grammar the request gave cannot be
+    followed; its `param` names the field), else 500 `internal_error` naming the failure."""
+    if isinstance(err, GrammarError):
+        return grammar_error(err)
+    return APIError(500, f"generation failed: {type(err).__name__}: {printable(err)}", code="internal_error")
+
+
 def log_ignored_fields(req: p.OpenAIBaseModel) -> None:
     """One warning naming the request's unknown fields: escaped, at most MAX_LOGGED_FIELDS names of at most
     MAX_LOGGED_FIELD_CHARS characters, then a count of the rest."""
@@ -317,8 +326,8 @@ class Generation:
         self.metrics.observe_e2e(time.monotonic() - self.arrival)
 
     async def deltas(self) -> AsyncIterator[Delta]:
-        """Yield each choice's deltas until every job is done; a session error raises `APIError` (500)
-        after cancelling the other jobs. Leaving early (client gone) cancels unfinished jobs."""
+        """Yield each choice's deltas until every job is done; a session error raises `APIError`
+        (`session_error`) after cancelling the other jobs. Leaving early (client gone) cancels unfinished jobs."""
         try:
             ready: collections.deque[JobEvent] = collections.deque()
             while not all(c.done for c in self.choices):
@@ -333,8 +342,7 @@ class Generation:
                 choice = self.choices[ev.index]
                 if ev.error is not None and not choice.finished:
                     self._record("error")
-                    raise APIError(500, f"generation failed: {type(ev.error).__name__}: {printable(ev.error)}",
-                                   code="internal_error")
+                    raise session_error(ev.error)
                 if ev.finish_reason == "abort" and not choice.finished:
                     self._record("abort")
                     if self.cancelled:

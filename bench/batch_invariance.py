@@ -48,7 +48,7 @@ def _sessions(model, prompts, k, n_new):
     ss = [SpecSession(model, p, n_new, k=k, pool=sched.pool) for p in prompts]
     for s in ss:
         while s.prefilling:
-            s.prefill_chunk(4096)
+            s.prefill_chunk()
     return sched, ss
 
 

@@ -244,7 +244,7 @@ def _prefill_tps(spec: ModelSpec, m: Qwen35ForCausalLM, dev: str, B: int) -> flo
     chunks of spec.chunk under a budget of B chunks per step, one new token each (the prefill's own)."""
     n = spec.prompt // B
     sched = Scheduler(m, max_num_seqs=B, max_model_len=n + 16, k=0, max_num_batched_tokens=B * spec.chunk,
-                      prefill_chunk=spec.chunk, step_graphs=True)
+                      step_graphs=True)
     ss = [SpecSession(m, p[:n], 1, k=0, pool=sched.pool) for p in _prompts(B, n + 2, m.config.vocab_size, 1)]
     for s in ss:
         sched.add(s)

@@ -73,7 +73,12 @@ class ServeSettings(BaseModel):
                                 f"{DEFAULT_MAX_MODEL_LEN_CAP}))")
     max_num_seqs: int = Field(8, ge=1, description="sessions decoded together in one batched round (state-pool slots)")
     max_num_batched_tokens: int = Field(
-        512, ge=1, description="tokens one scheduler step may run (the round's verify tokens, then prompt chunks)")
+        512, ge=1, description="tokens one scheduler step may run (the round's verify tokens, then prompt blocks of "
+                               "the 256-token prefill grid; a step with a waiting prompt runs at least one block)")
+    prefix_cache_gb: float | None = Field(
+        None, ge=0, allow_inf_nan=False,
+        description="memory for the exact prefix cache in GiB (host RAM on cpu, device memory on cuda; 0 = off) "
+                    "(default: 40 percent of the memory left free after the state pool, at most 8 GiB on cpu)")
     max_queue: int | None = Field(
         None, ge=1, description="sessions waiting for a slot before requests get 429 with Retry-After (default: sized "
                                 f"from the available memory, {DEFAULT_MAX_QUEUE_RANGE[0]} to "
@@ -112,8 +117,8 @@ class ServeSettings(BaseModel):
                                       "and one helper share a GEMM's column blocks and a step's rows when a job is "
                                       "large enough; the bits never depend on it) (default: min(2, usable cores))")
     cpu_kernel: bool = Field(
-        True, description="on a cpu device with a float32 model, run the decode / verify / draft steps and short "
-                          "prefill chunks on nextn's C kernels (GDN and attention token steps, RMSNorm; GEMMs and "
+        True, description="on a cpu device with a float32 model, run the decode / verify / draft steps and the "
+                          "prefill on nextn's C kernels (GDN and attention token steps, RMSNorm; GEMMs and "
                           "MLP with AVX2 + FMA), "
                           "built with the system C compiler on first use (torch ops when there is none; "
                           "--no-cpu-kernel: always torch ops)")
@@ -149,6 +154,11 @@ class ServeSettings(BaseModel):
             raise ValueError(f"num_speculative_tokens ({self.num_speculative_tokens}) exceeds spec_capmax "
                              f"({self.spec_capmax})")
         return self
+
+    @property
+    def prefix_cache_bytes(self) -> int | None:
+        """`prefix_cache_gb` in bytes (None: the engine sizes it from free memory)."""
+        return None if self.prefix_cache_gb is None else int(self.prefix_cache_gb * 2**30)
 
     @property
     def url(self) -> str:

@@ -13,11 +13,17 @@ get overwritten), GDN by choosing which recorded slot becomes `cur`; nothing is 
 """
 from __future__ import annotations
 
+import array
+import collections
+import hashlib
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from .model.config import Qwen35Config
+
+log = logging.getLogger("nextn.cache")
 
 
 class PoolFull(RuntimeError):
@@ -232,3 +238,253 @@ class MtpScratch:
         """K, V of rows [0, n): [1, n, nkv, hd] each."""
         s = self.slot
         return self.kv.k[s:s + 1, :n], self.kv.v[s:s + 1, :n]
+
+
+# ----------------------------------------------------------------------------------------------- prefix cache
+#: The prefill grid: a prompt is prefilled in blocks whose boundaries are the absolute positions that are multiples
+#: of PREFILL_GRID (only the prompt's last block may end off the grid), whatever the token budget, the batch or K;
+#: the prefix cache keeps the state at these boundaries. 256 = 4 chunks of the GDN chunked form (64 tokens), so the
+#: GPU's chunk boundaries fall on the grid; large enough that the recurrent state a block keeps (one GDN state per
+#: layer: 18 MiB at the 0.8B shape, 48 MiB at 9B) is paid per 256 tokens of KV, small enough that a shared system
+#: prompt or a conversation's history hits to within 255 tokens of where it diverges.
+PREFILL_GRID = 256
+
+
+def block_keys(tokens: list[int], n: int, root: bytes, prev: list[bytes] | None = None) -> list[bytes]:
+    """The hash-chain keys of the first n grid blocks of `tokens`: key_b = H(key_{b-1} | block b's token ids),
+    key_{-1} = `root` (the model's identity). `prev`: keys already known for the first blocks (extended, not
+    recomputed)."""
+    keys = list(prev or [])
+    G = PREFILL_GRID
+    for b in range(len(keys), n):
+        h = hashlib.blake2b(keys[-1] if keys else root, digest_size=16)
+        h.update(array.array("q", tokens[b * G:(b + 1) * G]).tobytes())
+        keys.append(h.digest())
+    return keys
+
+
+@dataclass
+class PrefixCacheStats:
+    """The prefix cache's counters (prompt tokens looked up and found, since start: vLLM's semantics) and its
+    size now (blocks and bytes held, the byte budget)."""
+
+    queries: int = 0
+    hits: int = 0
+    blocks: int = 0
+    bytes: int = 0
+    capacity_bytes: int = 0
+
+
+@dataclass
+class _Entry:
+    bid: int  # arena block id
+    parent: bytes | None  # the previous block's key (None: the first block)
+    tokens: tuple[int, ...]  # this block's token ids (checked on every hit: a hash collision never returns state)
+    children: int = 0  # cached blocks whose parent this is (only leaves are evicted)
+
+
+class PrefixCache:
+    """Exact prefix cache over the prefill grid: for each cached block b (positions bG..(b+1)G-1 of a token
+    sequence, keyed by the hash chain of its ids, `block_keys`) the state a session needs to resume at B = (b+1)G:
+    every attention layer's K/V rows of the block, each GDN layer's conv and recurrent state at B, the MTP head's
+    K/V rows bG-1 .. B-2 (rows whose next token lies inside the block) and the trunk's pre-norm hidden of position
+    B-1 (the carrier of MTP row B-1, whose next token is the resuming prompt's). Resuming copies those into the
+    session's pool slot (`restore`); nothing is shared by reference, so a session never holds a block.
+
+    Memory: at most `max_bytes`, in slabs of blocks allocated when first needed (host RAM for a CPU pool, device
+    memory for a CUDA one). When full, the least recently used block without cached children is evicted (a hit
+    touches its chain from the leaf to the root, so a parent is never older than its children). Not thread-safe:
+    the scheduler's thread alone calls it."""
+
+    SLAB = 16  # blocks per slab
+
+    def __init__(self, pool: StatePool, max_bytes: int, identity: str):
+        cfg = pool.cfg
+        self.cfg, self.pool, self.device, self.dtype = cfg, pool, pool.device, pool.dtype
+        self.mtp = pool.mtp is not None
+        G = PREFILL_GRID
+        esz = torch.empty((), dtype=pool.dtype).element_size()
+        per = pool_bytes(cfg, 1, G, 1, pool.dtype, self.mtp)
+        self.block_bytes = sum(per.values()) + cfg.hidden_size * esz
+        self.capacity = max(0, int(max_bytes) // self.block_bytes)
+        self.root = hashlib.blake2b(identity.encode(), digest_size=16).digest()
+        self._slabs: list[list[torch.Tensor]] = []
+        self._free: list[int] = []
+        self._index: collections.OrderedDict[bytes, _Entry] = collections.OrderedDict()  # oldest first
+        self._reserved: set[int] = set()
+        self.stats = PrefixCacheStats(capacity_bytes=self.capacity * self.block_bytes)
+
+    # -- arena -------------------------------------------------------------------------------------------------
+    def _slab(self, n: int) -> list[torch.Tensor]:
+        """One slab of n blocks, tensors in pool.layers order (attention: k, v [n, G, nkv, hd]; GDN: conv, rec), then
+        the MTP k, v and the carrier [n, H]."""
+        cfg, G, dev, dt = self.cfg, PREFILL_GRID, self.device, self.dtype
+        out: list[torch.Tensor] = []
+        for c in self.pool.layers:
+            if isinstance(c, KVPool):
+                out += [torch.empty(n, G, *c.k.shape[2:], device=dev, dtype=dt) for _ in range(2)]
+            else:
+                out += [torch.empty(n, *c.conv.shape[2:], device=dev, dtype=c.conv.dtype),
+                        torch.empty(n, *c.rec.shape[2:], device=dev, dtype=c.rec.dtype)]
+        if self.mtp:
+            out += [torch.empty(n, G, *self.pool.mtp.k.shape[2:], device=dev, dtype=dt) for _ in range(2)]
+        out.append(torch.empty(n, cfg.hidden_size, device=dev, dtype=dt))
+        return out
+
+    def _alloc(self) -> int | None:
+        """A free block id (a new slab when none is free and the budget allows, else an evicted leaf's), or None."""
+        if not self._free:
+            have = len(self._slabs) * self.SLAB
+            if have < self.capacity:
+                n = min(self.SLAB, self.capacity - have)
+                try:
+                    self._slabs.append(self._slab(n))
+                    self._free.extend(range(have + n - 1, have - 1, -1))
+                except (torch.OutOfMemoryError, RuntimeError) as e:  # the device filled up: keep what we have
+                    log.warning("prefix cache: no memory for more blocks (%s); it stays at %d blocks", e, have)
+                    self.capacity = have
+                    self.stats.capacity_bytes = have * self.block_bytes
+            if not self._free:
+                self._evict_one()
+        return self._free.pop() if self._free else None
+
+    def _parts(self, bid: int) -> list[torch.Tensor]:
+        s, r = divmod(bid, self.SLAB)
+        return [t[r] for t in self._slabs[s]]
+
+    def _evict_one(self) -> None:
+        for key, e in self._index.items():  # oldest first; a parent is never older than its children
+            if e.children == 0:
+                del self._index[key]
+                if e.parent is not None and e.parent in self._index:
+                    self._index[e.parent].children -= 1
+                self._free.append(e.bid)
+                self._count()
+                return
+
+    def _count(self) -> None:
+        self.stats.blocks = len(self._index)
+        self.stats.bytes = len(self._index) * self.block_bytes
+
+    def _touch(self, key: bytes | None) -> None:
+        """Make `key` and its ancestors the most recently used, the root last."""
+        while key is not None and key in self._index:
+            self._index.move_to_end(key)
+            key = self._index[key].parent
+
+    # -- use ---------------------------------------------------------------------------------------------------
+    def lookup(self, tokens: list[int], keys: list[bytes]) -> list[int]:
+        """The arena ids of the longest cached chain of `tokens`' grid blocks (keys: `block_keys` of at least the
+        blocks asked about), leaving at least one token to prefill (the prompt's last row gives the first token's
+        logits); touches the chain. The caller counts the query in `stats`."""
+        G = PREFILL_GRID
+        n = min(len(keys), (len(tokens) - 1) // G)
+        ids, parent = [], None
+        for b in range(n):
+            e = self._index.get(keys[b])
+            if e is None or e.parent != parent or e.tokens != tuple(tokens[b * G:(b + 1) * G]):
+                break
+            ids.append(e.bid)
+            parent = keys[b]
+        self._touch(parent)
+        return ids
+
+    def restore(self, ids: list[int], slot: int, window_slot: int, mtp_slot: int | None,
+                first: int = 0) -> torch.Tensor:
+        """Copy the chain `ids` (from `lookup`) into pool slot `slot`: K/V rows 0..nG-1, the GDN state at nG into
+        window slot `window_slot`, and (mtp_slot not None) the MTP head's K/V rows 0..nG-2 into that MTP slot;
+        `first` > 0: the slot holds blocks 0..first-1 already (their rows are not copied again). Returns the
+        pre-norm hidden of position nG-1 [H]."""
+        G, pool = PREFILL_GRID, self.pool
+        for b, bid in enumerate(ids):
+            if b < first:
+                continue
+            parts = self._parts(bid)
+            i = 0
+            for c in pool.layers:
+                if isinstance(c, KVPool):
+                    c.k[slot, b * G:(b + 1) * G] = parts[i]
+                    c.v[slot, b * G:(b + 1) * G] = parts[i + 1]
+                elif b == len(ids) - 1:
+                    c.conv[slot, window_slot] = parts[i]
+                    c.rec[slot, window_slot] = parts[i + 1]
+                i += 2
+            if mtp_slot is not None:
+                j = 1 if b == 0 else 0
+                pool.mtp.k[mtp_slot, b * G - 1 + j:(b + 1) * G - 1] = parts[i][j:]
+                pool.mtp.v[mtp_slot, b * G - 1 + j:(b + 1) * G - 1] = parts[i + 1][j:]
+        return self._parts(ids[-1])[-1]
+
+    def reserve(self) -> int | None:
+        """A block id held outside the index (a block whose GDN state is captured before the rest is ready:
+        `capture_state`, then `insert(..., bid=)` or `release`); None when the cache has no room."""
+        bid = self._alloc()
+        if bid is not None:
+            self._reserved.add(bid)
+        return bid
+
+    def release(self, bid: int) -> None:
+        """Give back a reserved id that will not be inserted."""
+        self._reserved.discard(bid)
+        self._free.append(bid)
+
+    def capture_state(self, bid: int, slot: int, window_slot: int, pre_last: torch.Tensor) -> None:
+        """Copy the GDN states in window slot `window_slot` of pool slot `slot` and the carrier `pre_last` [H] into
+        block `bid` (reserved, or about to be inserted)."""
+        parts, i = self._parts(bid), 0
+        for c in self.pool.layers:
+            if isinstance(c, GdnPool):
+                parts[i].copy_(c.conv[slot, window_slot])
+                parts[i + 1].copy_(c.rec[slot, window_slot])
+            i += 2
+        parts[-1].copy_(pre_last)
+
+    def contains(self, key: bytes) -> bool:
+        return key in self._index
+
+    def insert(self, keys: list[bytes], tokens: list[int], b: int, slot: int, mtp_slot: int | None, *,
+               window_slot: int | None = None, pre_last: torch.Tensor | None = None, bid: int | None = None) -> bool:
+        """Cache block b of a session in pool slot `slot` whose sequence starts with `tokens` (at least (b+1)G of
+        them) and whose chain keys are `keys` (at least b+1): K/V rows bG..(b+1)G-1 and (mtp_slot not None) MTP rows
+        bG-1..(b+1)G-2 are copied from the pool; the GDN state and carrier come from window slot `window_slot` and
+        `pre_last` (the state at (b+1)G is live there now), or were captured into the reserved `bid` already.
+        A block already cached, or whose parent is not (evicted meanwhile), is not inserted; a reserved `bid` is then
+        released. Returns whether the block was inserted."""
+        G, pool, key = PREFILL_GRID, self.pool, keys[b]
+        parent = keys[b - 1] if b > 0 else None
+        if key in self._index or (parent is not None and parent not in self._index) \
+                or (mtp_slot is None) == self.mtp:
+            if bid is not None:
+                self.release(bid)
+            self._touch(key if key in self._index else None)
+            return False
+        if bid is None:
+            if window_slot is None or pre_last is None:
+                raise ValueError("insert: give the live window slot and the carrier, or a captured block id")
+            if parent is not None:
+                self._touch(parent)  # not the block evicted to make room
+            bid = self._alloc()
+            if bid is None:
+                return False
+            if parent is not None and parent not in self._index:  # the room was made by evicting the parent
+                self._free.append(bid)
+                return False
+            self.capture_state(bid, slot, window_slot, pre_last)
+        else:
+            self._reserved.discard(bid)
+        parts, i = self._parts(bid), 0
+        for c in pool.layers:
+            if isinstance(c, KVPool):
+                parts[i].copy_(c.k[slot, b * G:(b + 1) * G])
+                parts[i + 1].copy_(c.v[slot, b * G:(b + 1) * G])
+            i += 2
+        if mtp_slot is not None:
+            j = 1 if b == 0 else 0
+            parts[i][j:] = pool.mtp.k[mtp_slot, b * G - 1 + j:(b + 1) * G - 1]
+            parts[i + 1][j:] = pool.mtp.v[mtp_slot, b * G - 1 + j:(b + 1) * G - 1]
+        self._index[key] = _Entry(bid, parent, tuple(tokens[b * G:(b + 1) * G]))
+        if parent is not None:
+            self._index[parent].children += 1
+        self._touch(key)
+        self._count()
+        return True

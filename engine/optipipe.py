@@ -624,7 +624,7 @@ def run_gate(model: Qwen35ForCausalLM, mode: OptiForkGateMode, prompts: Sequence
                                    draft_override=ov))
         for s in out:
             while s.prefilling:
-                s.prefill_chunk(512)
+                s.prefill_chunk()
         return pool, out
 
     prev_mode, prev_q = optipipe_gate_mode()

@@ -1,11 +1,23 @@
-"""Continuous batching: which sessions run, prompt prefill in chunks under a token budget, the state pool.
+"""Continuous batching: which sessions run, prompt prefill in grid blocks under a token budget, the state pool and
+the prefix cache.
 
 `Scheduler.step()` is the worker's unit of work: ONE speculative round over every running session
-(`engine.spec.spec_round`: drafts for all rows, one verify forward, one host copy), then prefill chunks of joining
+(`engine.spec.spec_round`: drafts for all rows, one verify forward, one host copy), then prefill blocks of joining
 sessions, up to `max_num_batched_tokens` tokens per step in all (the round's N x (k+1) tokens count first), so a
-long prompt never freezes the running streams for longer than one chunk. The chunks of every session joining in a
-step go through one forward (`engine.spec.prefill_rows`, rows right-padded). A session joins (`add`) once it holds
-a pool slot and leaves between steps; its slot is returned the moment it finishes, fails or is removed.
+long prompt never freezes the running streams for longer than one block. A prompt's blocks are those of the fixed
+grid (`engine.cache.PREFILL_GRID`, `engine.prefill`): the budget decides how many blocks a session gets in a step,
+never where a block splits (a step with a joining prompt runs at least one block). The blocks of a step run in waves
+(the first block of every session granted one, then the second, ...), each wave one forward when the model's
+prefill is row-wise (`engine.prefill.packs_rows`), else one forward per session. A session joins (`add`) once it
+holds a pool slot and leaves between steps; its slot is returned the moment it finishes, fails or is removed.
+
+The prefix cache (`engine.cache.PrefixCache`, on when `prefix_cache_bytes` > 0): a joining session resumes from the
+longest cached run of its prompt's grid blocks (copied into its slot; sessions that want prompt logprobs prefill
+everything), and every session writes each grid block it completes: after the wave whose forward ended on the
+boundary, or, where decode steps reach the states a prefill does (`engine.prefill.steps_match_prefill`), after the
+round whose commit crossed it (the GDN state is captured at once from its recorded window slot, the rest once the
+MTP head has written the block's rows). A hit gives the same bits as a miss: the blocks are those a prefill of the
+same tokens computes.
 
 On CUDA (with triton) the round's forwards replay CUDA graphs (engine/graphs.py `GraphRunner`): the scheduler
 picks the batch-size buckets (`graph_buckets(max_num_seqs)`) and reserves the scratch pool slots that bucket
@@ -14,19 +26,27 @@ padding rows write to (`padding_rows(buckets)` extra slots, never handed to a se
 from __future__ import annotations
 
 import collections
+import logging
 from dataclasses import dataclass, field
 
 import torch
 
-from .cache import GdnPool, StatePool, pool_bytes
+from .cache import PREFILL_GRID, GdnPool, PrefixCache, PrefixCacheStats, StatePool, block_keys, pool_bytes
 from .graphs import EAGER, GraphRunner, StepRunner, graph_buckets, padding_rows
 from .model.ops import cpu
 from .model.ops import dispatch as ops
 from .model.qwen35 import Qwen35ForCausalLM
-from .spec import PREFILL_CHUNK, SpecSession, prefill_rows, spec_round
+from .prefill import flush_mtp_rows, packs_rows, prefill_rows, steps_match_prefill
+from .spec import SpecSession, spec_round
+
+log = logging.getLogger("nextn.scheduler")
 
 #: Fraction of the free memory the state pool may take (the rest: activations, logits, the allocator).
 POOL_MEMORY_FRACTION = 0.8
+#: Without a prefix-cache budget: this fraction of the memory left free after the state pool ...
+PREFIX_CACHE_MEMORY_FRACTION = 0.4
+#: ... and at most this much host RAM on a CPU.
+PREFIX_CACHE_CPU_CAP = 8 << 30
 
 
 class PoolTooLarge(RuntimeError):
@@ -62,18 +82,30 @@ class StepResult:
     finished: list[SpecSession] = field(default_factory=list)
 
 
+@dataclass
+class _Writes:
+    """A session's prefix-cache bookkeeping: its blocks' chain keys so far, the next block to write, and blocks whose
+    GDN state was captured after a round while their MTP rows are not written yet ((block, reserved id))."""
+
+    keys: list[bytes] = field(default_factory=list)
+    next: int = 0
+    pending: list[tuple[int, int]] = field(default_factory=list)
+
+
 class Scheduler:
-    """Owns the state pool and the batch. Not thread-safe: one thread (the worker) calls everything."""
+    """Owns the state pool, the prefix cache and the batch. Not thread-safe: one thread (the worker) calls
+    everything."""
 
     def __init__(self, model: Qwen35ForCausalLM, *, max_num_seqs: int, max_model_len: int, k: int,
-                 max_num_batched_tokens: int, prefill_chunk: int = PREFILL_CHUNK, step_graphs: bool | None = None):
+                 max_num_batched_tokens: int, step_graphs: bool | None = None, prefix_cache_bytes: int | None = 0):
         """step_graphs: run the round through a `GraphRunner` (None: when the model is on the kernel path, i.e.
-        CUDA with triton; on a CPU it executes the same static-buffer bodies without capturing, for tests)."""
+        CUDA with triton; on a CPU it executes the same static-buffer bodies without capturing, for tests).
+        prefix_cache_bytes: the prefix cache's memory budget (0: no cache; None: PREFIX_CACHE_MEMORY_FRACTION of the
+        memory left free after the state pool, at most PREFIX_CACHE_CPU_CAP on a CPU)."""
         cfg = model.config
         self.model = model
         self.k = k if cfg.has_mtp else 0
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.prefill_chunk = prefill_chunk
         device = model.lm_head.weight.device
         capacity = pool_capacity(max_model_len, self.k)
         graphs = ops.use_triton(model.lm_head.weight) if step_graphs is None else step_graphs
@@ -93,15 +125,35 @@ class Scheduler:
         self.runner: StepRunner = GraphRunner(model, self.pool, self.buckets, scratch) if graphs else EAGER
         self.running: list[SpecSession] = []
         self.joining: collections.deque[SpecSession] = collections.deque()
+        self.packs = packs_rows(model)  # one prefill forward may carry several sessions' blocks
+        if prefix_cache_bytes is None:
+            prefix_cache_bytes = int(PREFIX_CACHE_MEMORY_FRACTION * max(0, avail - need))
+            if torch.device(device).type == "cpu":
+                prefix_cache_bytes = min(prefix_cache_bytes, PREFIX_CACHE_CPU_CAP)
+        self.cache: PrefixCache | None = None
+        self._writes: dict[SpecSession, _Writes] = {}
+        self._readers: set[SpecSession] = set()  # joining sessions that may still resume further (none prefilled)
+        self._pkeys: dict[SpecSession, list[bytes]] = {}  # joining sessions' full prompt blocks' chain keys
+        self._decode_blocks = False
+        if prefix_cache_bytes > 0:
+            identity = f"{cfg!r}|{cfg.dtype}|{device}|{'row-wise' if self.packs else 'per-row'}|{id(model)}"
+            self.cache = PrefixCache(self.pool, prefix_cache_bytes, identity)
+            self._decode_blocks = steps_match_prefill(model)
 
     def describe(self) -> str:
-        """One line: what the state pool reserved."""
+        """One line: what the state pool reserved, and the prefix cache's budget."""
         mib = {k: v / 2**20 for k, v in self.reserved.items()}
         p = self.pool
         kernel = cpu.describe(p.device, p.dtype) if any(isinstance(c, GdnPool) for c in p.layers) else None
+        pc = self.cache
+        cache = (f"prefix cache: up to {pc.capacity} blocks of {PREFILL_GRID} tokens "
+                 f"({pc.stats.capacity_bytes / 2**20:.1f} MiB, {pc.block_bytes / 2**20:.2f} MiB a block; generated "
+                 f"tokens' blocks {'kept' if self._decode_blocks else 'not kept: decode steps round differently'})"
+                 if pc is not None else "prefix cache: off")
         return (f"state pool: {p.slots} slots x {p.capacity} positions, {p.window} GDN state slots each: "
                 f"KV {mib['kv']:.1f} MiB, GDN {mib['gdn']:.1f} MiB, MTP {mib['mtp']:.1f} MiB "
-                f"({sum(mib.values()):.1f} MiB on {p.device})" + (f"; {kernel}" if kernel else ""))
+                f"({sum(mib.values()):.1f} MiB on {p.device})" + (f"; {kernel}" if kernel else "") + f"; {cache}; "
+                f"prefill grid {PREFILL_GRID} tokens, {'rows packed' if self.packs else 'one row'} per forward")
 
     @property
     def has_room(self) -> bool:
@@ -112,9 +164,22 @@ class Scheduler:
     def num_sessions(self) -> int:
         return len(self.running) + len(self.joining)
 
+    def prefix_stats(self) -> PrefixCacheStats | None:
+        """The prefix cache's counters and size now (None when it is off)."""
+        return None if self.cache is None else PrefixCacheStats(**vars(self.cache.stats))
+
     def add(self, sess: SpecSession) -> None:
-        """A new session (built on this scheduler's pool) joins: its prompt prefills in chunks from the next step."""
+        """A new session (built on this scheduler's pool) joins: it resumes from the longest cached prefix of its
+        prompt, and the rest prefills in grid blocks from the next step."""
         assert sess.pool is self.pool, "sessions must be built with pool=scheduler.pool"
+        if self.cache is not None and sess.cache.length == 0:
+            self._pkeys[sess] = block_keys(sess.prompt_ids, len(sess.prompt_ids) // PREFILL_GRID, self.cache.root)
+            if sess.k > 0 or self.pool.mtp is None:  # a plain session in an MTP pool writes no MTP rows
+                self._writes[sess] = _Writes(keys=list(self._pkeys[sess]))
+            if sess.want_prompt_logprobs is None:  # prompt logprobs need every prompt row: no resume
+                self.cache.stats.queries += len(sess.prompt_ids)
+                self._readers.add(sess)
+                self._resume(sess)
         self.joining.append(sess)
 
     def remove(self, sess: SpecSession) -> None:
@@ -123,73 +188,209 @@ class Scheduler:
             self.running.remove(sess)
         elif sess in self.joining:
             self.joining.remove(sess)
+        self._drop_writes(sess)
+        self._readers.discard(sess)
+        self._pkeys.pop(sess, None)
         sess.close()
 
-    def _forwards(self, group: list[SpecSession], chunks: list[int]) -> list[tuple[list[SpecSession], list[int]]]:
-        """Split a step's prefill chunks into forwards, in order: a session joins the previous forward while its
-        padded size (rows x longest chunk) stays within max_num_batched_tokens and every row's slot has room for
-        the padding; otherwise it starts the next one."""
-        out: list[tuple[list[SpecSession], list[int]]] = []
-        for s, c in zip(group, chunks):
-            if out:
-                rows, cs = out[-1]
-                T = max(max(cs), c)
-                if (len(rows) + 1) * T <= self.max_num_batched_tokens and \
-                        all(x.cache.length + T <= self.pool.capacity for x in (*rows, s)):
-                    rows.append(s)
-                    cs.append(c)
+    # -- prefix cache --------------------------------------------------------------------------------------------
+    def _resume(self, sess: SpecSession) -> None:
+        """Restore the longest cached run of `sess`'s prompt blocks into its slot, when it is longer than what the
+        session holds (a session that has prefilled nothing itself looks again each step: blocks a session ahead of
+        it computed may have landed)."""
+        pc, prompt = self.cache, sess.prompt_ids
+        assert pc is not None
+        ids = pc.lookup(prompt, self._pkeys[sess])
+        have = sess.cached_tokens // PREFILL_GRID
+        if len(ids) <= have:
+            return
+        carrier = pc.restore(ids, sess.slot, sess.cache.cur, sess.slot if sess.scratch is not None else None, have)
+        pc.stats.hits += (len(ids) - have) * PREFILL_GRID
+        sess.resume(len(ids) * PREFILL_GRID, carrier)
+        w = self._writes.get(sess)
+        if w is not None:
+            w.next = len(ids)
+
+    def _writer(self, sess: SpecSession) -> _Writes | None:
+        w = self._writes.get(sess)
+        return None if w is None or sess.error is not None else w
+
+    def _keys(self, sess: SpecSession, w: _Writes, n: int) -> list[bytes]:
+        assert self.cache is not None
+        if len(w.keys) < n:
+            w.keys = block_keys(sess.committed, n, self.cache.root, w.keys)
+        return w.keys
+
+    def _write_prefilled(self, rows: list[SpecSession]) -> None:
+        """After a prefill wave: cache the block each row's forward just completed (its live state is the state at
+        the boundary)."""
+        pc = self.cache
+        for s in rows:
+            w = self._writer(s)
+            L = s.cache.length
+            if w is None or L % PREFILL_GRID or L // PREFILL_GRID <= w.next:
+                continue
+            b = L // PREFILL_GRID - 1
+            keys = self._keys(s, w, b + 1)
+            pc.insert(keys, s.committed, b, s.slot, s.slot if s.scratch is not None else None,
+                      window_slot=s.cache.cur, pre_last=s.last_pre)
+            w.next = b + 1
+
+    def _capture_decoded(self, rows: list[SpecSession], before: list[int]) -> None:
+        """After a round (decode steps that reach prefill's states): for each grid boundary a row's commit crossed,
+        capture the GDN state there now (its recorded window slot is overwritten by the next round) into a
+        reserved block, written in full once the MTP head has the block's rows (`_finish_pending`)."""
+        pc = self.cache
+        for s, n in zip(rows, before):
+            w = self._writer(s)
+            if w is None:
+                continue
+            for B in range((n // PREFILL_GRID + 1) * PREFILL_GRID, s.cache.length + 1, PREFILL_GRID):
+                b = B // PREFILL_GRID - 1
+                if b < w.next:
                     continue
-            out.append(([s], [c]))
+                bid = pc.reserve()
+                if bid is None:
+                    break
+                # the verify forward's token t (position n + t) left its state in window slot t
+                pc.capture_state(bid, s.slot, B - 1 - n, s.round_pre[B - 1 - n])
+                w.pending.append((b, bid))
+                w.next = b + 1
+
+    def _finish_pending(self, rows: list[SpecSession]) -> None:
+        """Write in full every captured block whose MTP rows (up to its boundary - 2) are now in the scratch."""
+        pc = self.cache
+        for s in rows:
+            w = self._writes.get(s)
+            if w is None or not w.pending:
+                continue
+            keep = []
+            for b, bid in w.pending:
+                if s.error is not None:
+                    pc.release(bid)
+                elif s.scratch is None or s.scratch.length >= (b + 1) * PREFILL_GRID - 1:
+                    pc.insert(self._keys(s, w, b + 1), s.committed, b, s.slot,
+                              s.slot if s.scratch is not None else None, bid=bid)
+                else:
+                    keep.append((b, bid))
+            w.pending = keep
+
+    def _drop_writes(self, sess: SpecSession) -> None:
+        w = self._writes.pop(sess, None)
+        if w is not None:
+            for _, bid in w.pending:
+                self.cache.release(bid)
+
+    # -- the step ------------------------------------------------------------------------------------------------
+    def _grants(self, budget: int) -> list[tuple[SpecSession, int]]:
+        """How many grid blocks each joining session prefills this step, in arrival order: blocks while they fit
+        in the budget, and the first one of the step whatever its size (a block never splits), unless the running
+        rows used the whole budget. With the prefix cache, a session that has prefilled nothing yet first resumes
+        from blocks that landed since it joined, and waits while a session ahead of it still has to compute its
+        next block (the same prompt prefix arriving twice is computed once)."""
+        out: list[tuple[SpecSession, int]] = []
+        coming: set[bytes] = set()  # full prompt blocks that sessions ahead in the queue will compute and cache
+        for s in self.joining:
+            keys = self._pkeys.get(s)
+            if keys is not None:
+                b = s.cache.length // PREFILL_GRID
+                if s in self._readers:
+                    if s.prefill_tokens:  # it computes its own blocks now: no resume any more
+                        self._readers.discard(s)
+                    else:
+                        self._resume(s)
+                        b = s.cache.length // PREFILL_GRID
+                        if b < (len(s.prompt_ids) - 1) // PREFILL_GRID and keys[b] in coming:
+                            continue  # a session ahead computes this block: take it from the cache later
+                if s in self._writes:
+                    coming.update(keys[b:])
+            pos, left, n = s.cache.length, s.prefill_left, 0
+            while left > 0:
+                c = min(left, PREFILL_GRID - pos % PREFILL_GRID)
+                first = not out and n == 0
+                if c > budget and not (first and (budget > 0 or not self.running)):
+                    break
+                budget -= c
+                pos, left, n = pos + c, left - c, n + 1
+            if n:
+                out.append((s, n))
+            if left > 0:
+                break  # arrival order: a later prompt never overtakes one that waits for budget
         return out
 
-    def _prefill(self, group: list[SpecSession], chunks: list[int]) -> None:
-        """One chunk of each session's prompt, in as few forwards as `_forwards` allows (`prefill_rows` for
-        several rows, `SpecSession.prefill_chunk` for one). A prompt that fails fails its own request; a failing
-        batched forward fails the sessions of that forward."""
-        for rows, cs in self._forwards(group, chunks):
-            if len(rows) > 1:
-                try:
-                    prefill_rows(self.model, rows, cs)
-                except Exception as e:  # noqa: BLE001 - the batched part failed: every row of it is in doubt
-                    for s in rows:
-                        s.fail(e)
-                continue
+    def _forwards(self, rows: list[SpecSession]) -> list[list[SpecSession]]:
+        """One wave's forwards, in order: one row each unless the model's prefill is row-wise (`packs_rows`); then a
+        row joins the previous forward while its padded size (rows x longest block) stays within
+        max_num_batched_tokens and every row's slot has room for the padding, else it starts the next one."""
+        if not self.packs:
+            return [[s] for s in rows]
+        out: list[list[SpecSession]] = []
+        for s in rows:
+            if out:
+                group = out[-1]
+                T = max(x.next_chunk_len for x in (*group, s))
+                if (len(group) + 1) * T <= self.max_num_batched_tokens and \
+                        all(x.cache.length + T <= self.pool.capacity for x in (*group, s)):
+                    group.append(s)
+                    continue
+            out.append([s])
+        return out
+
+    def _prefill(self, rows: list[SpecSession]) -> None:
+        """One block of each row's prompt (one wave), in the forwards `_forwards` chooses. A prompt that fails fails
+        its own request; a failing batched forward fails the sessions of that forward."""
+        for group in self._forwards(rows):
             try:
-                rows[0].prefill_chunk(cs[0])
-            except Exception as e:  # noqa: BLE001 - a prompt that fails fails its own request
-                rows[0].fail(e)
+                prefill_rows(self.model, group)
+            except Exception as e:  # noqa: BLE001 - the batched part failed: every row of it is in doubt
+                for s in group:
+                    s.fail(e)
+        if self.cache is not None:
+            self._write_prefilled(rows)
 
     def step(self) -> StepResult:
-        """One round for the running sessions, then prefill chunks under the token budget."""
+        """One round for the running sessions, then prefill blocks under the token budget."""
         res = StepResult()
         counts = {s: len(s.emitted) for s in self.running}
         budget = self.max_num_batched_tokens - sum(s.k_round() + 1 for s in self.running)
         if self.running:
+            before = [s.cache.length for s in self.running]
             try:
                 spec_round(self.model, self.running, self.runner)
             except Exception as e:  # noqa: BLE001 - the batched part failed: every row of it is in doubt
                 for s in self.running:
                     s.fail(e)
-        group, chunks = [], []  # joining sessions in order, each the chunk the budget leaves it
-        for s in self.joining:
-            if budget <= 0 and (group or self.running):
-                break
-            c = min(self.prefill_chunk, s.prefill_left, max(budget, 1))
-            group.append(s)
-            chunks.append(c)
-            budget -= c
-        if group:
-            self._prefill(group, chunks)
-        for s in group:
+            if self._decode_blocks:
+                self._capture_decoded(self.running, before)
+                self._finish_pending(self.running)
+        grants = self._grants(budget)
+        for wave in range(max((n for _, n in grants), default=0)):
+            rows = [s for s, n in grants if n > wave and s.prefilling and not s.finished]
+            if rows:
+                self._prefill(rows)
+        for s, _ in grants:
             if not s.prefilling or s.finished:
                 self.joining.remove(s)
+                self._readers.discard(s)
+                self._pkeys.pop(s, None)
                 counts[s] = 0
                 self.running.append(s)
-        for s, before in counts.items():
-            if len(s.emitted) > before:
-                res.emitted.append((s, s.emitted[before:]))
-        for s in [s for s in self.running if s.finished]:
+        for s, before_n in counts.items():
+            if len(s.emitted) > before_n:
+                res.emitted.append((s, s.emitted[before_n:]))
+        done = [s for s in self.running if s.finished]
+        if done and self._decode_blocks:
+            ready = [s for s in done if s.error is None and self._writes.get(s) is not None and self._writes[s].pending]
+            if ready:
+                try:  # the last round's MTP rows, which no next round will write: they complete captured blocks
+                    flush_mtp_rows(self.model, ready)
+                except Exception:  # noqa: BLE001 - the session's answer is complete; only its blocks are lost
+                    log.exception("writing a finished session's MTP rows failed; its last blocks are not cached")
+                else:
+                    self._finish_pending(ready)
+        for s in done:
             self.running.remove(s)
+            self._drop_writes(s)
             s.close()
             res.finished.append(s)
         return res

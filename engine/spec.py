@@ -14,6 +14,8 @@ One round (`spec_round`, over the N running sessions of one state pool):
      target's own column (exact: a legal unmasked argmax IS the masked argmax); EOS among accepted drafts ends
      the row; commit last + d[:n_acc], emit d[:n_acc] + [bonus], and roll back in O(1): attention KV by length,
      GDN by making the recorded slot of the last kept token live.
+A row whose own hook (grammar, penalties, sampler) raises at any step fails alone; the other rows go on as if it
+had never been in the batch.
 `SpecSession` holds one request's state; `engine.scheduler.Scheduler` batches sessions (continuous batching,
 chunked prefill). A session built without a scheduler runs alone on a private one-slot pool (`generate_spec`).
 """
@@ -21,11 +23,11 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 
-from .cache import ModelCache, MtpScratch, StatePool
+from .cache import PREFILL_GRID, ModelCache, MtpScratch, StatePool
 from .graphs import EAGER, StepRunner
 from .model.ops import dispatch as ops
 from .model.qwen35 import FwdCtx, Qwen35ForCausalLM
@@ -34,12 +36,12 @@ from .sampling import PenaltyState, SpecSampling, probs_from_logits, sample
 
 __all__ = [
     "SPEC_TELEM_POS", "SpecTelemetry", "SpecSampling", "SpecConstraint", "SpecSession", "TokenLogprob",
-    "decode_step_t", "mtp_head_forward", "generate_spec", "prefill", "prefill_rows", "spec_round",
+    "decode_step_t", "mtp_head_forward", "generate_spec", "prefill", "spec_round",
 ]
 
 SPEC_TELEM_POS = 8  # tracked draft positions (serve K defaults to 3; gates sweep K = 1..8)
 DEFAULT_CAPMAX = 7
-PREFILL_CHUNK = 512
+MTP_CHUNK = 512  # mtp_head_forward: rows per head forward of a long queue
 PROMPT_LOGPROB_ROWS = 64  # prompt logprobs: logit rows materialised at once ([64, V], never [prompt, V])
 
 
@@ -130,15 +132,19 @@ class TokenLogprob:
     rank: int | None = None
 
 
-def prefill(model: Qwen35ForCausalLM, ids: list[int], cache: ModelCache, chunk: int = PREFILL_CHUNK,
+def prefill(model: Qwen35ForCausalLM, ids: list[int], cache: ModelCache,
             want_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Run `ids` into `cache` at cache.length in chunks. Returns (fp32 logits of the last row [V],
-    post-norm hiddens [T, H] and pre-norm hiddens [T, H] of every row when want_hidden, else None)."""
+    """Run `ids` into `cache` at cache.length, one forward per prefill-grid block (as a session prefills).
+    Returns (fp32 logits of the last row [V], post-norm hiddens [T, H] and pre-norm hiddens [T, H] of every row
+    when want_hidden, else None)."""
     dev = model.lm_head.weight.device
     cache.check_room(len(ids))
     pres, last = [], None
-    for c0 in range(0, len(ids), chunk):
-        x = torch.tensor([ids[c0:c0 + chunk]], device=dev)
+    c0 = 0
+    while c0 < len(ids):
+        n = min(len(ids) - c0, PREFILL_GRID - cache.length % PREFILL_GRID)
+        x = torch.tensor([ids[c0:c0 + n]], device=dev)
+        c0 += n
         h = model.forward_hidden(x, cache.length, cache)[0]  # [t, H]
         cache.length += x.shape[1]
         if want_hidden:
@@ -170,7 +176,7 @@ def decode_step_t(model: Qwen35ForCausalLM, tokens: list[int], pos0: int, cache:
 
 
 def mtp_head_forward(model: Qwen35ForCausalLM, tokens: list[int], hidden: torch.Tensor, pos: int,
-                     scratch: MtpScratch, chunk: int = PREFILL_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+                     scratch: MtpScratch, chunk: int = MTP_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
     """NextN step(s) for one sequence: rows (token i+1, trunk/head hidden of row i) at positions pos.. write the
     head's K/V into `scratch`; returns (fp32 draft logits of the LAST row [V], head hidden of the last row
     [1, H]). Long queues (after a prefill) run in chunks of `chunk` rows and only the last row (the one whose draft
@@ -254,11 +260,14 @@ class SpecSession:
         self._mtp_tokens: list[int] = []
         self._mtp_hidden: torch.Tensor | None = None
         self.prefill_tokens = 0  # tokens run through prefill (multi-turn reuse prefills only the new suffix)
+        self.cached_tokens = 0  # prompt tokens restored from the prefix cache instead of prefilled
+        self.last_pre: torch.Tensor | None = None  # [H] pre-norm hidden of the last position prefilled
+        self.round_pre: torch.Tensor | None = None  # [T, H] the last round's pre-norm verify hiddens
         self._to_prefill: list[int] = []  # ids not yet prefilled (their first `_prefilled` are done)
         self._prefilled = 0
         self._constraint_consumed = 0  # drafts already consumed by the constraint walk of this round
         self._window = 0  # drafts the constraint consumed while drafting this round (for its window masks)
-        self._last_row: tuple[torch.Tensor, torch.Tensor] | None = None  # prompt's last row, first token pending
+        self._last_row: tuple | None = None  # the prompt's last row (pre, post [1, H], its forward's ctx)
         self._closed = False
         if pool is None:  # alone: a private one-slot pool sized for this request
             pool = StatePool(cfg, 1, self.max_len, self.k + 1, self.device, self.dtype, mtp=self.k > 0)
@@ -291,18 +300,21 @@ class SpecSession:
         self.scratch = MtpScratch(self.cfg, pool.capacity, pool=pool, slot=slot) if self.k > 0 else None
 
     def step(self, max_rounds: int = 1) -> list[int]:
-        """Alone: advance the session; returns the newly emitted token ids (empty only once finished)."""
+        """Alone: advance the session; returns the newly emitted token ids (empty only once finished). A hook that
+        raises in a round (its grammar, ...) fails the session and the exception propagates."""
         if self.finished or self._closed:
             return []
         start = len(self.emitted)
         if not self.started:
             while self.prefilling:
-                self.prefill_chunk(PREFILL_CHUNK)
+                self.prefill_chunk()
             return self.emitted[start:]
         for _ in range(max_rounds):
             if self.finished:
                 break
             spec_round(self.model, [self])
+            if self.error is not None:  # alone, a failure is the caller's exception
+                raise self.error
         return self.emitted[start:]
 
     def run(self) -> list[int]:
@@ -343,46 +355,75 @@ class SpecSession:
         self.finished, self.finish_reason = False, None
         self.begin_prefill(suffix)
         while self.prefilling:  # alone: prefill now (the first token of the new turn is emitted)
-            self.prefill_chunk(PREFILL_CHUNK)
+            self.prefill_chunk()
+
+    def resume(self, n: int, pre_last: torch.Tensor) -> None:
+        """Start from a restored prefix (the prefix cache): the state of the first n prompt tokens is already in
+        this session's slot (K/V rows 0..n-1, the GDN state at n in the live window slot, MTP rows 0..n-2), and
+        `pre_last` [H] is position n-1's pre-norm hidden (the carrier of MTP row n-1). Only the rest of the prompt
+        prefills; n < the prompt's length. A session that prefilled nothing itself may resume again, further."""
+        if self.cache.length != self.cached_tokens or self.prefill_tokens or self.started \
+                or not self.cache.length < n < len(self._to_prefill):
+            raise ValueError(f"cannot resume a session at {n} of {len(self._to_prefill)} prompt tokens")
+        self.cache.length = self._prefilled = self.cached_tokens = n
+        self._mtp_tokens, self._mtp_hidden = [], None  # an earlier resume's row n'-1, superseded
+        self.committed = self._to_prefill[:n]
+        self.last_pre = pre_last
+        if self.k > 0:
+            assert self.scratch is not None
+            self.scratch.set_len(n - 1)
+            ctx = FwdCtx.make(self.cfg, self.device, self.dtype, [self.slot], [n - 1], [0], [0], 1, False)
+            carrier = pre_last[None] if self.hidden_mode == "pre" else self.model.model.norm(pre_last[None], ctx)
+            self._queue_mtp_rows([self._to_prefill[n]], carrier)  # row n-1 = (token n, h_{n-1})
 
     def begin_prefill(self, ids: list[int]) -> None:
         """Queue `ids` (a prompt, or a later turn's suffix) for prefill."""
         self._to_prefill, self._prefilled = list(ids), 0
 
     @torch.inference_mode()
-    def prefill_chunk(self, budget: int) -> int:
-        """Prefill up to `budget` queued prompt tokens (one trunk forward, chunked GDN); the MTP head takes the
-        chunk's rows right away, except the prompt's last row, which waits for the first token. The last chunk
+    def prefill_chunk(self) -> int:
+        """Prefill the next grid block of the queued prompt (`next_chunk`) in one trunk forward; the MTP head takes
+        the block's rows right away, except the prompt's last row, which waits for the first token. The last block
         also chooses and emits the first token. Returns the number of tokens prefilled."""
-        ids = self.next_chunk(budget)
+        ids = self.next_chunk()
         cache = self.cache
         x = torch.tensor([ids], device=self.device)
         ctx = FwdCtx.make(self.cfg, self.device, self.dtype, [self.slot], [cache.length], [cache.cur], [cache.cur],
                           len(ids), False)
-        self.prefilled(ids, self.model.forward_step(x, ctx, self.pool)[0])  # [t, H]
+        self.prefilled(ids, self.model.forward_step(x, ctx, self.pool)[0], ctx)  # [t, H]
         return len(ids)
 
-    def next_chunk(self, budget: int) -> list[int]:
-        """The next up to `budget` (at least 1) queued prompt tokens; raises if they do not fit in the cache."""
-        ids = self._to_prefill[self._prefilled:self._prefilled + max(1, budget)]
+    def next_chunk(self) -> list[int]:
+        """The next grid block of the queued prompt: its tokens from the cache's length up to the next multiple of
+        PREFILL_GRID (absolute positions) or the prompt's end. Blocks never split elsewhere, whatever the budget,
+        the batch or K, so a prompt's prefill math is the same alone and under load. Raises if they do not fit in
+        the cache."""
+        n = PREFILL_GRID - self.cache.length % PREFILL_GRID
+        ids = self._to_prefill[self._prefilled:self._prefilled + n]
         self.cache.check_room(len(ids))
         return ids
 
-    def prefilled(self, ids: list[int], pre: torch.Tensor, flush_mtp: bool = True) -> None:
-        """Host side of a prefill chunk: `ids` (from `next_chunk`) went through the trunk at cache.length.., `pre`
-        [t, H] their pre-norm hiddens. Advances the cache, feeds the MTP head, and after the prompt's last chunk
-        chooses and emits the first token. flush_mtp=False (a batched prefill): the chunk's MTP rows stay queued
-        and the first token waits; the caller writes every row's queue in one head forward (`_flush_mtp_rows`),
-        then calls `choose_first`."""
+    @property
+    def next_chunk_len(self) -> int:
+        """Tokens `next_chunk` would take (0 when nothing is queued)."""
+        return min(self.prefill_left, PREFILL_GRID - self.cache.length % PREFILL_GRID)
+
+    def prefilled(self, ids: list[int], pre: torch.Tensor, ctx: FwdCtx, flush_mtp: bool = True) -> None:
+        """Host side of a prefill block: `ids` (from `next_chunk`) went through the trunk at cache.length.. in the
+        forward `ctx`, `pre` [t, H] their pre-norm hiddens. Advances the cache, feeds the MTP head, and after the
+        prompt's last block chooses and emits the first token. flush_mtp=False (a batched prefill): the block's MTP
+        rows stay queued and the first token waits; the caller writes every row's queue in one head forward
+        (`engine.prefill.flush_mtp_rows`), then calls `choose_first`."""
         model, cache = self.model, self.cache
         cache.length += len(ids)
         self._prefilled += len(ids)
         self.prefill_tokens += len(ids)
         self.committed += ids
-        post = model.model.norm(pre)
+        post = model.model.norm(pre, ctx)  # row by row on the CPU kernels, as a step forward's final norm
+        self.last_pre = pre[-1].clone()
         done = not self.prefilling
         if self.want_prompt_logprobs is not None:
-            self._prompt_logprobs(post, self._prefilled - len(ids))
+            self._prompt_logprobs(post, self._prefilled - len(ids), ctx)
         if self.k > 0:
             nxt = self._to_prefill[self._prefilled - len(ids) + 1:self._prefilled + 1]  # token i+1 of each row
             carrier = post if self.hidden_mode == "post" else pre
@@ -390,7 +431,7 @@ class SpecSession:
             if flush_mtp:
                 self._flush_mtp()
         if done:
-            self._last_row = (pre[-1:], post[-1:])  # [1, H] each: the prompt's last row
+            self._last_row = (pre[-1:], post[-1:], ctx)  # [1, H] each: the prompt's last row
             if flush_mtp:
                 self.choose_first()
 
@@ -398,15 +439,15 @@ class SpecSession:
         """After the prompt's last chunk and its MTP rows: choose, emit and queue the first token (else a no-op)."""
         if self._last_row is None:
             return
-        pre, post = self._last_row
+        pre, post, ctx = self._last_row
         self._last_row = None
-        logits = self.model.logits(post[0])  # only the row that is used
+        logits = self.model.logits(post[0], ctx=ctx)  # only the row that is used
         first = self._choose(logits)
         if self.k > 0:
             self._queue_mtp_rows([first], post if self.hidden_mode == "post" else pre)
         self._emit([first], logits[None])
 
-    def _prompt_logprobs(self, post: torch.Tensor, start: int) -> None:
+    def _prompt_logprobs(self, post: torch.Tensor, start: int, ctx: FwdCtx) -> None:
         """Logprobs of the prompt tokens that the chunk's rows `post` [t, H] (prompt positions start..) predict,
         PROMPT_LOGPROB_ROWS rows at a time (only when asked: the default prefill computes one row's logits)."""
         ids, n_top = self._to_prefill, self.want_prompt_logprobs or 0
@@ -415,7 +456,7 @@ class SpecSession:
         rows = min(post.shape[0], len(ids) - 1 - start)  # the prompt's last row predicts the first output token
         for a in range(0, rows, PROMPT_LOGPROB_ROWS):
             b = min(rows, a + PROMPT_LOGPROB_ROWS)
-            lp = torch.log_softmax(self.model.logits(post[a:b]).float(), dim=-1)  # [n, V]
+            lp = torch.log_softmax(self.model.logits(post[a:b], ctx=ctx).float(), dim=-1)  # [n, V]
             nxt = torch.tensor(ids[start + a + 1:start + b + 1], device=lp.device)
             chosen = lp.gather(-1, nxt[:, None])  # [n, 1]
             rank = (lp > chosen).sum(-1) + 1  # [n]
@@ -429,10 +470,13 @@ class SpecSession:
         return max(0, min(self.k, self.max_new_tokens - len(self.emitted) - 1))
 
     def commit_round(self, drafted: int, n_acc: int, toks: list[int], logits: torch.Tensor,
-                     carrier: torch.Tensor) -> None:
+                     carrier: torch.Tensor, pre: torch.Tensor | None = None) -> None:
         """Host side of one round for this row: `toks` = accepted drafts + the bonus (n_acc + 1 tokens) as decided
-        on the device, `logits` [T, V] its verify logits, `carrier` [T, H] the hiddens the MTP head pairs with.
-        Applies the constraint's truncation rule and EOS, commits, rolls back (O(1)), emits."""
+        on the device, `logits` [T, V] its verify logits, `carrier` [T, H] the hiddens the MTP head pairs with,
+        `pre` [T, H] the pre-norm hiddens (kept as `round_pre` until the next round: the prefix cache's carrier of a
+        grid boundary the commit crosses). Applies the constraint's truncation rule and EOS, commits, rolls back
+        (O(1)), emits."""
+        self.round_pre = pre
         drafts, bonus = toks[:n_acc], toks[n_acc]
         if self.constraint is not None and drafted == 0:  # a plain step: the masked choice, as plain decode does
             bonus = self._choose(logits[0])
@@ -559,57 +603,6 @@ class SpecSession:
 
 
 # ------------------------------------------------------------------------------------------ the batched round
-@torch.inference_mode()
-def prefill_rows(model: Qwen35ForCausalLM, rows: list[SpecSession], budgets: list[int]) -> list[int]:
-    """Prefill the next chunk (up to budgets[i] tokens) of every row's queued prompt in ONE trunk forward, then
-    each row's host side as `SpecSession.prefill_chunk` does. Rows are right-padded to the longest chunk: the
-    padding's K/V land past the row's length (overwritten later) and its GDN tokens leave the state unchanged
-    (`FwdCtx` lens), so each row ends in the state of its own tokens. The caller checks that every row's
-    cache.length + max chunk fits the pool's capacity. A row whose chunk does not fit its cache or whose host side
-    fails is failed alone; a failing forward raises (every row is then in doubt). Returns the tokens prefilled per
-    row (0 for a row failed before the forward)."""
-    done = [0] * len(rows)
-    chunks: list[list[int]] = []
-    live: list[int] = []
-    for i, (r, b) in enumerate(zip(rows, budgets)):
-        try:
-            chunks.append(r.next_chunk(b))
-            live.append(i)
-        except Exception as e:  # noqa: BLE001 - a prompt that does not fit fails its own request
-            r.fail(e)
-    if not live:
-        return done
-    rows = [rows[i] for i in live]
-    T = max(len(c) for c in chunks)
-    r0 = rows[0]
-    x = torch.tensor([c + [0] * (T - len(c)) for c in chunks], device=r0.device)  # [N, T]
-    cur = [r.cache.cur for r in rows]
-    ctx = FwdCtx.make(model.config, r0.device, r0.dtype, [r.slot for r in rows], [r.cache.length for r in rows],
-                      cur, cur, T, False, lens=[len(c) for c in chunks])
-    pre = model.forward_step(x, ctx, r0.pool)  # [N, T, H]
-    ok = []
-    for i, r in enumerate(rows):
-        try:
-            r.prefilled(chunks[i], pre[i, :len(chunks[i])], flush_mtp=False)
-            ok.append(r)
-        except Exception as e:  # noqa: BLE001 - one row's host side (its logprobs, ...) fails that row
-            r.fail(e)
-    try:
-        _flush_mtp_rows(model, ok)
-    except Exception as e:  # noqa: BLE001 - the batched head forward failed: its rows are in doubt
-        for r in ok:
-            r.fail(e)
-        ok = []
-    for r in ok:
-        try:
-            r.choose_first()
-        except Exception as e:  # noqa: BLE001 - one row's choice (its grammar) fails that row
-            r.fail(e)
-    for i, c in zip(live, chunks):
-        done[i] = len(c)
-    return done
-
-
 def _queued_mtp_rows(rows: list[SpecSession]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """Every row's queued MTP rows, right-padded to the longest queue: tokens [A, Tm] long (padding 0), carrier
     hiddens [A, Tm, H] (padding zeros), and each row's queue length."""
@@ -624,22 +617,17 @@ def _queued_mtp_rows(rows: list[SpecSession]) -> tuple[torch.Tensor, torch.Tenso
     return toks, hid, n
 
 
-def _flush_mtp_rows(model: Qwen35ForCausalLM, rows: list[SpecSession]) -> None:
-    """Write every row's queued MTP rows (prefill) into its scratch in ONE head forward, rows right-padded (the
-    padding's K/V land past each row's scratch length and are overwritten later)."""
-    rows = [r for r in rows if r._mtp_tokens]
-    if len(rows) <= 1:
-        for r in rows:
-            r._flush_mtp()
-        return
-    toks, hid, n = _queued_mtp_rows(rows)  # [A, Tm], [A, Tm, H]
-    r0, sc = rows[0], [r.scratch for r in rows]
-    ctx = FwdCtx.make(model.config, r0.device, r0.dtype, [s.slot for s in sc], [s.length for s in sc],
-                      [0] * len(rows), [0] * len(rows), toks.shape[1], False)
-    model.mtp_forward(toks, hid, ctx, r0.pool.mtp)  # [A, Tm, H]: only the K/V it writes is used
-    for r, k in zip(rows, n):
-        r.scratch.set_len(r.scratch.length + k)
-        r._mtp_tokens, r._mtp_hidden = [], None
+def _hook(r: SpecSession, fallback: Any, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+    """`fn(*args, **kw)`: one of row r's own hooks (grammar, penalties) inside the batched round. If it raises, r
+    fails (its request gets the error) and `fallback` stands in, so the batch's tensors keep their shape and no
+    other row sees a difference; a failed row's hooks are not called again."""
+    if r.error is not None:
+        return fallback
+    try:
+        return fn(*args, **kw)
+    except Exception as e:  # noqa: BLE001 - one row's hook fails that row only
+        r.fail(e)
+        return fallback
 
 
 def _pick(rows: list[SpecSession], logits: torch.Tensor, extra: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
@@ -649,15 +637,19 @@ def _pick(rows: list[SpecSession], logits: torch.Tensor, extra: torch.Tensor) ->
     Returns (tokens [A] long, top probability [A] (None at depth 0, where the p-min cut does not apply, and when no
     row has p_min > 0: a probability is never below 0), q rows)."""
     j = extra.shape[1]
-    proc = torch.stack([r._pen.apply(logits[i], r.sampling, extra[i], n_out=len(r.emitted) + j)
+    proc = torch.stack([_hook(r, logits[i], r._pen.apply, logits[i], r.sampling, extra[i], n_out=len(r.emitted) + j)
                         for i, r in enumerate(rows)]) if any(r.sampling.processes for r in rows) else logits
     top = torch.softmax(proc, dim=-1).amax(dim=-1) if j and any(r.p_min > 0 for r in rows) else None  # [A]
     tok = ops.argmax(proc)  # [A]
     qs: list[torch.Tensor | None] = [None] * len(rows)
     for i, r in enumerate(rows):
-        if not r.sampling.greedy:
-            qs[i] = probs_from_logits(proc[i], r.sampling)  # [V]
-            tok[i] = sample(qs[i], r._gen)
+        if not r.sampling.greedy and r.error is None:
+            try:
+                qs[i] = probs_from_logits(proc[i], r.sampling)  # [V]
+                tok[i] = sample(qs[i], r._gen)
+            except Exception as e:  # noqa: BLE001 - one row's sampler fails that row only
+                r.fail(e)
+                continue
             if top is not None:
                 top[i] = qs[i].amax()
     return tok, top, qs
@@ -667,7 +659,8 @@ def _draft(model: Qwen35ForCausalLM, rows: list[SpecSession], ks: list[int],
            runner: StepRunner = EAGER) -> tuple[torch.Tensor, list[list]]:
     """Draft up to ks[i] tokens per row, one MTP head forward per depth over every row still drafting.
     Returns drafts [N, max ks] (long, -1 where a row drafts nothing: fewer wanted, p-min cut, constraint) and the
-    q rows of sampled rows (qs[i][j])."""
+    q rows of sampled rows (qs[i][j]). A row whose hook raises is failed and leaves the chained forwards; its drafts
+    row is meaningless (`spec_round` drops it)."""
     N, K = len(rows), max(ks)
     dev = rows[0].device
     drafts = torch.full((N, K), -1, dtype=torch.long, device=dev)
@@ -687,11 +680,13 @@ def _draft(model: Qwen35ForCausalLM, rows: list[SpecSession], ks: list[int],
         r._mtp_tokens, r._mtp_hidden = [], None
         r._window = 0  # drafts the constraint consumed this round
         if r.constraint is not None and hasattr(r.constraint, "draft_begin"):
-            r.constraint.draft_begin()
+            _hook(r, None, r.constraint.draft_begin)
     alive = torch.ones(len(act), dtype=torch.bool, device=dev)
     for j in range(K):
-        live = [a for a, i in enumerate(act) if ks[i] > j]
-        if j > 0 and len(live) < len(act):
+        live = [a for a, i in enumerate(act) if ks[i] > j and rows[i].error is None]
+        if j > 0 and len(live) < len(act):  # rows done drafting or failed leave the chained forwards
+            if not live:
+                break
             act, h, alive = [act[a] for a in live], h[live], alive[live]
         ix = act if len(act) < N else slice(None)  # drafts' rows of `act` (all rows: views, not gathers)
         if j > 0:  # chained depth: the previous draft and the head's own hidden, one row each
@@ -700,8 +695,9 @@ def _draft(model: Qwen35ForCausalLM, rows: list[SpecSession], ks: list[int],
                                  [len(rows[i].committed) - 1 + j for i in act], None)  # [A, 1, H], [A, V]
         arows = [rows[i] for i in act]
         for a, r in enumerate(arows):  # grammars propose legal drafts only (drafts never affect exactness)
-            if r.constraint is not None and hasattr(r.constraint, "draft_mask_logits") and bool(alive[a]):
-                lg[a] = r.constraint.draft_mask_logits(lg[a])
+            if r.constraint is not None and hasattr(r.constraint, "draft_mask_logits") and r.error is None \
+                    and bool(alive[a]):
+                lg[a] = _hook(r, lg[a], r.constraint.draft_mask_logits, lg[a])
         tok, top, q = _pick(arows, lg, drafts[ix, :j])
         if top is not None:  # j > 0 and some row has p_min > 0
             # p-min tests the drafter's TOP probability before a token is chosen: whether position j is drafted
@@ -711,17 +707,20 @@ def _draft(model: Qwen35ForCausalLM, rows: list[SpecSession], ks: list[int],
             r = rows[i]
             qs[i][j] = q[a]
             if r.draft_override is not None or (r.constraint is not None and hasattr(r.constraint, "draft_allowed")):
-                if not bool(alive[a]):  # a host decision per draft: test hooks and grammars only
+                if r.error is not None or not bool(alive[a]):  # a host decision per draft: test hooks, grammars
                     continue
-                d = int(tok[a])
-                if r.draft_override is not None:
-                    d = r.draft_override(len(r.committed) + 1 + j, j, d)
-                    tok[a] = d
-                if r.constraint is not None and hasattr(r.constraint, "draft_allowed"):
-                    if r.constraint.draft_allowed(d):
-                        r._window += 1
-                    else:
-                        alive[a] = False
+                try:
+                    d = int(tok[a])
+                    if r.draft_override is not None:
+                        d = r.draft_override(len(r.committed) + 1 + j, j, d)
+                        tok[a] = d
+                    if r.constraint is not None and hasattr(r.constraint, "draft_allowed"):
+                        if r.constraint.draft_allowed(d):
+                            r._window += 1
+                        else:
+                            alive[a] = False
+                except Exception as e:  # noqa: BLE001 - one row's hook fails that row only
+                    r.fail(e)
         drafts[ix, j] = torch.where(alive, tok, -1)
     # a cut is final: nothing after the first -1 counts
     drafts = torch.where(torch.cumprod((drafts >= 0).long(), dim=1).bool(), drafts, -1)
@@ -732,7 +731,8 @@ def _accept(rows: list[SpecSession], logits: torch.Tensor, drafts: torch.Tensor,
             ks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Acceptance for every row on the device. logits [N, T, V] (fp32), drafts [N, T-1] (-1 = none), ks the drafts
     each row asked for.
-    Returns (n_acc [N], out [N, T]) with out[i, :n_acc] = the accepted drafts and out[i, n_acc] = the bonus."""
+    Returns (n_acc [N], out [N, T]) with out[i, :n_acc] = the accepted drafts and out[i, n_acc] = the bonus (a row
+    whose hook raised is failed; its entries are meaningless)."""
     N, T, _ = logits.shape
     K = T - 1
     dev = logits.device
@@ -743,16 +743,17 @@ def _accept(rows: list[SpecSession], logits: torch.Tensor, drafts: torch.Tensor,
         # column t of row i chooses output token len(emitted) + t (min_tokens); host ints, no sync
         later = torch.arange(K, device=dev) >= cols[:, None]  # [T, K]: draft j comes after column t
         ex = drafts[:, None, :].expand(N, T, K).masked_fill(later, -1)  # [N, T, K]
-        proc = torch.stack([r._pen.apply(logits[i], r.sampling, ex[i], n_out=len(r.emitted))
+        proc = torch.stack([_hook(r, logits[i], r._pen.apply, logits[i], r.sampling, ex[i], n_out=len(r.emitted))
                             for i, r in enumerate(rows)])
     # greedy rows under a grammar accept by the MASKED argmax of each column (what constrained plain greedy picks
     # after the same drafts): the masks of the states the drafts reached, kept while drafting
-    masks = [(i, r.constraint.window_mask(r._window + 1, dev)) for i, r in enumerate(rows) if ks[i] > 0
-             and r.sampling.greedy and r.constraint is not None and hasattr(r.constraint, "window_mask")]
+    masks = [(i, _hook(r, None, r.constraint.window_mask, r._window + 1, dev)) for i, r in enumerate(rows)
+             if ks[i] > 0 and r.sampling.greedy and r.constraint is not None and hasattr(r.constraint, "window_mask")]
     if masks:
         proc = proc.clone()
         for i, m in masks:
-            proc[i, :m.shape[0]] = proc[i, :m.shape[0]].masked_fill(~m, float("-inf"))
+            if m is not None:  # None: the row failed
+                proc[i, :m.shape[0]] = proc[i, :m.shape[0]].masked_fill(~m, float("-inf"))
     am = ops.argmax(proc.flatten(0, 1)).view(N, T)  # [N, T]
     if K == 0:  # plain steps only: nothing to accept, each bonus is its row's column-0 choice
         n_acc, bonus = torch.zeros(N, dtype=torch.long, device=dev), am[:, 0]
@@ -761,22 +762,25 @@ def _accept(rows: list[SpecSession], logits: torch.Tensor, drafts: torch.Tensor,
         n_acc = torch.cumprod(match.long(), dim=1).sum(dim=1)  # [N]
         bonus = am.gather(1, n_acc[:, None])[:, 0]  # [N]
     for i, r in enumerate(rows):
-        if r.sampling.greedy or r.constraint is not None:  # constrained rows choose on the host (commit_round)
+        if r.sampling.greedy or r.constraint is not None or r.error is not None:  # constrained: in commit_round
             continue
-        # Leviathan/Chen: accept d_j w.p. min(1, p/q); on the first reject draw from norm(max(0, p - q));
-        # when all are accepted the bonus comes from p of the next column
-        p = probs_from_logits(proc[i], r.sampling)  # [T, V]
-        q = torch.stack([qj if qj is not None else torch.zeros_like(p[0]) for qj in qs[i][:K]] + [torch.zeros_like(p[0])])
-        kw = ks[i]  # the draws a row makes depend on the row alone, never on the batch
-        u = torch.rand(kw, generator=r._gen, dtype=torch.float64, device=dev)
-        d = drafts[i, :kw].clamp_min(0)
-        ok = (u * q[cols[:kw], d] < p[cols[:kw], d]) & valid[i, :kw]
-        na = torch.cumprod(ok.long(), dim=0).sum()
-        kd = valid[i].sum()
-        resid = torch.clamp(p[na] - q[na], min=0.0)
-        use_resid = (na < kd) & (resid.sum() > 0)
-        dist = torch.where(use_resid, resid / resid.sum().clamp_min(1e-300), p[na])
-        n_acc[i], bonus[i] = na, sample(dist, r._gen)
+        try:  # Leviathan/Chen: accept d_j w.p. min(1, p/q); on the first reject draw from norm(max(0, p - q));
+            # when all are accepted the bonus comes from p of the next column
+            p = probs_from_logits(proc[i], r.sampling)  # [T, V]
+            q = torch.stack([qj if qj is not None else torch.zeros_like(p[0]) for qj in qs[i][:K]]
+                            + [torch.zeros_like(p[0])])
+            kw = ks[i]  # the draws a row makes depend on the row alone, never on the batch
+            u = torch.rand(kw, generator=r._gen, dtype=torch.float64, device=dev)
+            d = drafts[i, :kw].clamp_min(0)
+            ok = (u * q[cols[:kw], d] < p[cols[:kw], d]) & valid[i, :kw]
+            na = torch.cumprod(ok.long(), dim=0).sum()
+            kd = valid[i].sum()
+            resid = torch.clamp(p[na] - q[na], min=0.0)
+            use_resid = (na < kd) & (resid.sum() > 0)
+            dist = torch.where(use_resid, resid / resid.sum().clamp_min(1e-300), p[na])
+            n_acc[i], bonus[i] = na, sample(dist, r._gen)
+        except Exception as e:  # noqa: BLE001 - one row's sampler fails that row only
+            r.fail(e)
     if K == 0:
         return n_acc, bonus[:, None]
     out = torch.where(cols < n_acc[:, None], torch.cat([drafts, bonus[:, None]], 1), bonus[:, None])  # [N, T]
@@ -787,22 +791,31 @@ def _accept(rows: list[SpecSession], logits: torch.Tensor, drafts: torch.Tensor,
 def spec_round(model: Qwen35ForCausalLM, rows: list[SpecSession], runner: StepRunner = EAGER) -> None:
     """One speculative round for every session in `rows` (all started, unfinished, in one pool): draft, one
     verify forward of N x T tokens, acceptance on the device, ONE host copy, then each row's commit.
-    `runner` runs the forwards (engine/graphs.py: eagerly, or the scheduler's CUDA graphs)."""
+    `runner` runs the forwards (engine/graphs.py: eagerly, or the scheduler's CUDA graphs). A row whose own hook
+    (grammar, penalties, sampler) raises fails alone (`SpecSession.fail`): while drafting, it leaves the round before
+    the verify; in acceptance or commit, its result is dropped. Every op is row-wise, so the other rows' tokens and
+    logits are bit for bit those of a round without it. A batched forward that fails raises: every row is in doubt."""
     ks = [r.k_round() for r in rows]
     fork = optipipe_round(rows, ks)  # OPTIPIPE research door (engine/optipipe.py): None unless armed
     drafts, qs = _draft(model, rows, ks, runner)  # [N, K]
+    if any(r.error is not None for r in rows):  # rows a hook failed while drafting leave before the verify
+        keep = [i for i, r in enumerate(rows) if r.error is None]
+        rows, ks, qs, fork = [rows[i] for i in keep], [ks[i] for i in keep], [qs[i] for i in keep], None
+        if not rows:
+            return
+        drafts = drafts[keep, :max(ks)]  # [N', K'] as if the failed rows had never drafted
     tokens = torch.cat([torch.tensor([[r.pending] for r in rows], device=drafts.device), drafts.clamp_min(0)], 1)
     pre, post, logits = runner.verify(model, rows[0].pool, tokens, [r.slot for r in rows],
                                       [r.cache.length for r in rows], [r.cache.cur for r in rows])  # [N, T, *]
     n_acc, out = _accept(rows, logits, drafts, qs, ks)
     host = torch.cat([n_acc[:, None], (drafts >= 0).sum(1, keepdim=True), out], 1).tolist()  # the one host sync
     for i, r in enumerate(rows):
+        if r.error is not None:  # a hook failed in acceptance
+            continue
         na, kd, *toks = host[i]
         try:
-            r.commit_round(kd, na, toks[:na + 1], logits[i], (post if r.hidden_mode == "post" else pre)[i])
+            r.commit_round(kd, na, toks[:na + 1], logits[i], (post if r.hidden_mode == "post" else pre)[i], pre[i])
         except Exception as e:  # noqa: BLE001 - one row's failure (e.g. its grammar) fails that row only
-            if len(rows) == 1:
-                raise
             r.fail(e)
     if fork is not None:  # OPTIPIPE: shadow check and resolution; never changes a token or the committed state
         fork.resolve(model, drafts, host)

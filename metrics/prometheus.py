@@ -27,7 +27,10 @@ Serving metrics: counters ``nextn_prompt_tokens_total``, ``nextn_generation_toke
 ``nextn_num_requests_running``, ``nextn_num_requests_waiting``, ``nextn_kv_cache_usage_perc``; histograms
 (vLLM's default buckets, ``vllm/v1/metrics/buckets.py``) ``nextn_time_to_first_token_seconds``,
 ``nextn_inter_token_latency_seconds``, ``nextn_e2e_request_latency_seconds``,
-``nextn_request_queue_time_seconds``; and ``nextn_grammar_compile_seconds`` (nextn's own; vLLM has no
+``nextn_request_queue_time_seconds``; the prefix cache's counters ``nextn_prefix_cache_queries_total`` and
+``nextn_prefix_cache_hits_total`` (prompt tokens looked up and found, vLLM's semantics: hit rate =
+``rate(hits) / rate(queries)``) and gauges ``nextn_prefix_cache_bytes``, ``nextn_prefix_cache_blocks``,
+``nextn_prefix_cache_capacity_bytes``; and ``nextn_grammar_compile_seconds`` (nextn's own; vLLM has no
 such metric; buckets ``GRAMMAR_COMPILE_BUCKETS``: 1 ms .. 30 s on a 1-2.5-5 ladder, because llguidance
 compiles typical JSON schemas in milliseconds while large tool schemas can take seconds, and the
 server caps compilation well below a minute).
@@ -49,8 +52,9 @@ KVCacheUtilization      ``nextn_kv_cache_usage_perc``    state-pool slots held /
 ``kv_cache_usage_perc`` is the state pool's use, as vLLM's is its KV blocks' use: each slot reserves a whole
 context (``--max-model-len`` positions of KV, the GDN states, the MTP head's KV) however long its session is, so
 the honest measure of what is left is slots, not positions; at 1 every slot is held and a new request waits in
-the queue. Prefix-cache queries and hits (vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits`` counters, which
-the picker's prefix-aware scoring can use) join this table with the prefix cache; nextn exports none yet.
+the queue. The prefix cache's queries and hits (vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits`` counters,
+in tokens) are exported beside them for dashboards; the picker's prefix-aware scoring keeps its own index of what it
+routed where.
 
 Derived values (PromQL; add ``sum by (model_name)`` for several engines/models, pick any window):
 
@@ -82,7 +86,8 @@ grammar truncation. ``metrics.derived.derived`` computes the same quantities fro
 ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``,
 ``vllm:time_to_first_token_seconds``,
 ``vllm:inter_token_latency_seconds``, ``vllm:e2e_request_latency_seconds``,
-``vllm:request_queue_time_seconds``), so stock vLLM dashboards and ``vllm bench serve`` (which sums
+``vllm:request_queue_time_seconds``, ``vllm:prefix_cache_queries_total``, ``vllm:prefix_cache_hits_total``), so
+stock vLLM dashboards and ``vllm bench serve`` (which sums
 lines starting ``vllm:spec_decode`` that end in ``_total``) read them. ``render`` reads every ``nextn_`` series
 once and writes the ``vllm:`` twins from that same read, so the two names of a series show the same value in
 every scrape, even while the engine updates it. It emits no
@@ -295,6 +300,17 @@ class ServingMetrics:
                             GRAMMAR_COMPILE_BUCKETS)
         aliased += [prompt, generation, success, running, waiting, kv_usage, ttft, itl, e2e, queue]
 
+        # Prefix cache (vLLM's counters, in tokens; nextn's size gauges)
+        pc_queries = counter("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.")
+        pc_hits = counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        pc_bytes = gauge("prefix_cache_bytes", "Bytes the prefix cache's blocks hold now.")
+        pc_blocks = gauge("prefix_cache_blocks", "Grid blocks (256 tokens each) the prefix cache holds now.")
+        pc_capacity = gauge("prefix_cache_capacity_bytes", "The prefix cache's memory budget in bytes (0: off).")
+        aliased += [pc_queries, pc_hits]
+        self._pc = (pc_queries.labels(*lv), pc_hits.labels(*lv), pc_bytes.labels(*lv), pc_blocks.labels(*lv),
+                    pc_capacity.labels(*lv))
+        self._pc_seen = (0, 0)  # the engine's counters at the last `set_prefix_cache`
+
         self._prompt = prompt.labels(*lv)
         self._generation = generation.labels(*lv)
         self._success = {r: success.labels(*lv, r) for r in FINISHED_REASONS}
@@ -381,6 +397,23 @@ class ServingMetrics:
     def set_waiting(self, n: int) -> None:
         """Sessions (one per choice) queued for a slot, not yet scheduled (the protocol's TotalQueuedRequests)."""
         self._waiting.set(self._nonneg(n, "waiting requests"))
+
+    def set_prefix_cache(self, stats: Any) -> None:
+        """The prefix cache's state (an ``engine.cache.PrefixCacheStats``: cumulative ``queries`` / ``hits`` in
+        tokens, ``blocks`` / ``bytes`` / ``capacity_bytes`` now); the counters advance by the increase since the
+        last call."""
+        q, h = int(stats.queries), int(stats.hits)
+        q0, h0 = self._pc_seen
+        queries, hits, nbytes, blocks, capacity = self._pc
+        with self._lock:
+            if q > q0:
+                queries.inc(q - q0)
+            if h > h0:
+                hits.inc(h - h0)
+            self._pc_seen = (max(q, q0), max(h, h0))
+            nbytes.set(self._nonneg(stats.bytes, "prefix cache bytes"))
+            blocks.set(self._nonneg(stats.blocks, "prefix cache blocks"))
+            capacity.set(self._nonneg(stats.capacity_bytes, "prefix cache capacity"))
 
     def set_pool_usage(self, held: int, slots: int) -> None:
         """State-pool slots held by sessions out of the `slots` (``--max-num-seqs``) a session can hold; the

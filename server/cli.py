@@ -174,7 +174,8 @@ def build_server(settings: ServeSettings, model: Any, tokenizer: Any, **worker_k
         setup = EngineSetup(settings.model_dir, settings.device, None if settings.dtype == "auto" else settings.dtype,
                             settings.cpu_threads, settings.cpu_kernel, settings.cpu_kernel_threads, settings.log_level,
                             k, settings.spec_draft_p_min, settings.spec_capmax, settings.max_num_seqs,
-                            settings.max_model_len, settings.max_num_batched_tokens, settings.grammar_max_bytes,
+                            settings.max_model_len, settings.max_num_batched_tokens, settings.prefix_cache_bytes,
+                            settings.grammar_max_bytes,
                             settings.grammar_compile_timeout, settings.grammar_cache_size, **worker_kw)
         worker = EngineProcess(setup, metrics, max_queue=settings.max_queue, max_num_seqs=settings.max_num_seqs)
         worker.start()  # the child loads the model and reserves its pool; raises when it cannot
@@ -185,7 +186,7 @@ def build_server(settings: ServeSettings, model: Any, tokenizer: Any, **worker_k
         worker = Worker(model, metrics, k=k, p_min=settings.spec_draft_p_min, capmax=settings.spec_capmax,
                         max_num_seqs=settings.max_num_seqs, max_queue=settings.max_queue,
                         max_model_len=settings.max_model_len, max_num_batched_tokens=settings.max_num_batched_tokens,
-                        **worker_kw)
+                        prefix_cache_bytes=settings.prefix_cache_bytes, **worker_kw)
         worker.start()
         dtype = str(cfg.dtype).removeprefix("torch.")
     structured = StructuredOutputs(tokenizer, n_vocab=cfg.vocab_size, metrics=metrics,

@@ -64,6 +64,7 @@ class EngineSetup:
     max_num_seqs: int
     max_model_len: int
     max_num_batched_tokens: int
+    prefix_cache_bytes: int | None
     grammar_max_bytes: int
     grammar_timeout_s: float
     grammar_cache_size: int
@@ -94,7 +95,7 @@ class _RelayMetrics:
     """The child's stand-in for `ServingMetrics`: records the worker's calls for the parent to replay."""
 
     _CALLS = ("observe_queue_time", "observe_ttft", "observe_itl", "add_spec", "set_running", "set_waiting",
-              "set_pool_usage")
+              "set_prefix_cache", "set_pool_usage")
 
     def __init__(self, relay: _Relay) -> None:
         for name in self._CALLS:
@@ -227,6 +228,7 @@ def _engine_main(setup: EngineSetup, cmds: Connection, out: Connection) -> None:
         worker = Worker(model, relay.metrics, k=setup.k, p_min=setup.p_min, capmax=setup.capmax,
                         max_num_seqs=setup.max_num_seqs, max_queue=1 << 30,  # the parent bounds the queue
                         max_model_len=setup.max_model_len, max_num_batched_tokens=setup.max_num_batched_tokens,
+                        prefix_cache_bytes=setup.prefix_cache_bytes,
                         session_factory=setup.session_factory or SpecSession, outbox=relay)
     except PoolTooLarge as e:
         out.send(("fatal", str(e)))

@@ -360,7 +360,8 @@ class SpecUsage(BaseModel):
 
 
 class PromptTokensDetails(BaseModel):
-    cached_tokens: int = Field(0, description="prompt tokens served from a cache (nextn keeps none: 0)")
+    cached_tokens: int = Field(0, description="prompt tokens resumed from the exact prefix cache instead of prefilled "
+                                              "(whole 256-token grid blocks; the answer's bits are a miss's)")
 
 
 class UsageInfo(BaseModel):

@@ -151,6 +151,8 @@ class ServingResponses:
         if prep.in_reasoning and end is not None:  # the think block's tokens, `</think>` included
             reasoning = ids.index(end) + 1 if end in ids else len(ids)
         return p.ResponseUsage(input_tokens=u.prompt_tokens, output_tokens=u.completion_tokens,
+                               input_tokens_details=p.InputTokensDetails(
+                                   cached_tokens=u.prompt_tokens_details.cached_tokens),
                                output_tokens_details=p.OutputTokensDetails(reasoning_tokens=reasoning),
                                total_tokens=u.total_tokens, spec=u.spec)
 

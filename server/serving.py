@@ -84,6 +84,15 @@ def internal_error(where: str, exc: BaseException, logger: logging.Logger = log)
     return APIError(500, f"internal error: {type(exc).__name__}", code="internal_error")
 
 
+def session_error(err: BaseException) -> APIError:
+    """The error a request gets when one of its sessions failed while generating (its other rows of the batch go
+    on): 400 when the request's own input caused it (a `GrammarError`: the grammar the request gave cannot be
+    followed; its `param` names the field), else 500 `internal_error` naming the failure."""
+    if isinstance(err, GrammarError):
+        return grammar_error(err)
+    return APIError(500, f"generation failed: {type(err).__name__}: {printable(err)}", code="internal_error")
+
+
 def log_ignored_fields(req: p.OpenAIBaseModel) -> None:
     """One warning naming the request's unknown fields: escaped, at most MAX_LOGGED_FIELDS names of at most
     MAX_LOGGED_FIELD_CHARS characters, then a count of the rest."""
@@ -183,6 +192,7 @@ class ChoiceState:
         self.matcher = StopMatcher(stops)
         self.include_stop, self.stop_ids = include_stop, stop_ids
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
+        self.cached_tokens = 0  # prompt tokens the prefix cache held (arrives with the first event)
         #: inside the reasoning block: the text's last len(THINK_END) - 1 characters (None: stops are live)
         self._think_tail: str | None = "" if reasoning and stops else None
         self._skip_ws = False  # the whitespace right after `</think>` is not matched either
@@ -206,6 +216,8 @@ class ChoiceState:
             self.done, self.telem = True, ev.telem
         if ev.prompt_logprobs is not None:
             self.prompt_logprobs = ev.prompt_logprobs
+        if ev.cached_tokens is not None:
+            self.cached_tokens = ev.cached_tokens
         if self.finished:
             return d
         for i, tok in enumerate(ev.token_ids):
@@ -282,12 +294,18 @@ class Generation:
     counter's increase equals the sum of the requests' `usage.completion_tokens`."""
 
     def __init__(self, jobs: list[Job], choices: list[ChoiceState], events: asyncio.Queue[JobEvent],
-                 metrics: ServingMetrics, prompt_tokens: int) -> None:
+                 metrics: ServingMetrics, prompt_tokens: int, n: int = 1) -> None:
         self.jobs, self.choices, self.events = jobs, choices, events
+        self.n = n  # choices per prompt (choice index = prompt index * n + i)
         self.cancelled = False
         self.metrics, self.prompt_tokens = metrics, prompt_tokens
         self.arrival = time.monotonic()
         self._recorded = False
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens the prefix cache held, summed over the prompts (each prompt's first choice's)."""
+        return sum(c.cached_tokens for c in self.choices[::self.n])
 
     def cancel(self) -> None:
         """The client left: ask the worker to drop every unfinished job (idempotent; on the event loop).
@@ -308,8 +326,8 @@ class Generation:
         self.metrics.observe_e2e(time.monotonic() - self.arrival)
 
     async def deltas(self) -> AsyncIterator[Delta]:
-        """Yield each choice's deltas until every job is done; a session error raises `APIError` (500)
-        after cancelling the other jobs. Leaving early (client gone) cancels unfinished jobs."""
+        """Yield each choice's deltas until every job is done; a session error raises `APIError`
+        (`session_error`) after cancelling the other jobs. Leaving early (client gone) cancels unfinished jobs."""
         try:
             ready: collections.deque[JobEvent] = collections.deque()
             while not all(c.done for c in self.choices):
@@ -324,8 +342,7 @@ class Generation:
                 choice = self.choices[ev.index]
                 if ev.error is not None and not choice.finished:
                     self._record("error")
-                    raise APIError(500, f"generation failed: {type(ev.error).__name__}: {printable(ev.error)}",
-                                   code="internal_error")
+                    raise session_error(ev.error)
                 if ev.finish_reason == "abort" and not choice.finished:
                     self._record("abort")
                     if self.cancelled:
@@ -535,14 +552,15 @@ class OpenAIServing:
             raise APIError(429, str(e), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except Unavailable as e:
             raise APIError(503, str(e), code="unavailable") from None
-        return Generation(jobs, choices, events, self.worker.metrics, sum(len(x.prompt_ids) for x in preps))
+        return Generation(jobs, choices, events, self.worker.metrics, sum(len(x.prompt_ids) for x in preps), req.n)
 
     def usage(self, gen: Generation, prompt_tokens: int, final: bool = True) -> p.UsageInfo:
         """The request's usage (`final` False: the counts so far, without spec telemetry)."""
         completion = sum(len(c.token_ids) for c in gen.choices)
         spec = p.SpecUsage(**gen.telemetry().to_dict(self.k)) if self.k > 0 and final else None
         return p.UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion,
-                           total_tokens=prompt_tokens + completion, spec=spec)
+                           total_tokens=prompt_tokens + completion, spec=spec,
+                           prompt_tokens_details=p.PromptTokensDetails(cached_tokens=gen.cached_tokens))
 
     def token_text(self, tok: int, as_id: bool = False) -> str:
         """A token's text (`token_id:N` when `as_id`, vLLM's return_tokens_as_token_ids)."""

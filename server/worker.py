@@ -48,6 +48,7 @@ class JobEvent:
     token_ids: list[int]
     logprobs: list[Any] | None = None
     prompt_logprobs: list[Any] | None = None  # with the job's first tokens, when it asked for them
+    cached_tokens: int | None = None  # with the job's first tokens: its prompt tokens the prefix cache held
     done: bool = False
     finish_reason: str | None = None
     error: BaseException | None = None
@@ -61,8 +62,9 @@ class JobEvent:
         lps = None if self.logprobs is None and later.logprobs is None else \
             list(self.logprobs or []) + list(later.logprobs or [])
         plps = self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs
-        return JobEvent(self.index, self.token_ids + later.token_ids, lps, prompt_logprobs=plps, done=later.done,
-                        finish_reason=later.finish_reason, telem=later.telem)
+        cached = self.cached_tokens if self.cached_tokens is not None else later.cached_tokens
+        return JobEvent(self.index, self.token_ids + later.token_ids, lps, prompt_logprobs=plps, cached_tokens=cached,
+                        done=later.done, finish_reason=later.finish_reason, telem=later.telem)
 
 
 @dataclass(eq=False)
@@ -197,7 +199,8 @@ class Worker(Drainable):
 
     def __init__(self, model: Any, metrics: ServingMetrics, *, k: int, p_min: float, capmax: int,
                  max_num_seqs: int, max_queue: int, max_model_len: int, max_num_batched_tokens: int,
-                 session_factory: SessionFactory = SpecSession, outbox: Any = None) -> None:
+                 prefix_cache_bytes: int | None = 0, session_factory: SessionFactory = SpecSession,
+                 outbox: Any = None) -> None:
         self.model = model
         self.metrics = metrics
         self.k, self.p_min, self.capmax = k, p_min, capmax
@@ -205,8 +208,11 @@ class Worker(Drainable):
         self.max_queue = max_queue
         self.session_factory = session_factory
         self.scheduler = Scheduler(model, max_num_seqs=max_num_seqs, max_model_len=max_model_len, k=k,
-                                   max_num_batched_tokens=max_num_batched_tokens)
+                                   max_num_batched_tokens=max_num_batched_tokens, prefix_cache_bytes=prefix_cache_bytes)
         log.info("%s", self.scheduler.describe())
+        self._pc_seen = self.scheduler.prefix_stats()
+        if self._pc_seen is not None:
+            metrics.set_prefix_cache(self._pc_seen)  # the budget, before the first request
         self._cv = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
         self._active: dict[SpecSession, _Active] = {}
@@ -397,9 +403,14 @@ class Worker(Drainable):
             a.last_emit = t1
             lps = list(sess.logprobs[len(sess.emitted) - len(new_ids):]) if job.logprobs is not None else None
             plps = list(sess.prompt_logprobs) if first and job.prompt_logprobs is not None else None
-            out.append((job, JobEvent(job.index, list(new_ids), lps, prompt_logprobs=plps)))
+            out.append((job, JobEvent(job.index, list(new_ids), lps, prompt_logprobs=plps,
+                                      cached_tokens=sess.cached_tokens if first else None)))
         if step_telem.rounds:
             self.metrics.add_spec(step_telem)
+        pc = self.scheduler.prefix_stats()
+        if pc is not None and pc != self._pc_seen:
+            self._pc_seen = pc
+            self.metrics.set_prefix_cache(pc)
         for sess in res.finished:
             a = self._active.get(sess)
             if a is None:

@@ -172,8 +172,8 @@ def gated_sessions(gate: threading.Event) -> type:
     from engine.spec import SpecSession
 
     class GatedSession(SpecSession):
-        def prefill_chunk(self, budget: int) -> int:
+        def next_chunk(self) -> list[int]:
             gate.wait(30)
-            return super().prefill_chunk(budget)
+            return super().next_chunk()
 
     return GatedSession

@@ -328,7 +328,7 @@ def test_dashboard_has_the_panels():
     titles = [p["title"] for p in _dashboard()["panels"] if p["type"] != "row"]
     for want in ("acceptance rate", "mean acceptance length", "per-position acceptance, of all rounds",
                  "per-position acceptance, of rounds that drafted", "drafts per second", "time to first token",
-                 "inter-token latency", "end-to-end request latency", "running and waiting"):
+                 "inter-token latency", "end-to-end request latency", "running and waiting", "prefix cache hit rate"):
         assert any(want in t.lower() for t in titles), (want, titles)
     for title, expr in dashboard_queries():
         assert promql_metric_names(expr), f"{title}: {expr!r} selects no metric"

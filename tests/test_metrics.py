@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine import spec as engine_spec
 from engine.spec import SpecTelemetry as Telemetry
 from metrics.derived import derived
+from engine.cache import PrefixCacheStats
 from metrics.prometheus import (
     GRAMMAR_COMPILE_BUCKETS,
     ITL_BUCKETS,
@@ -340,6 +341,7 @@ def _loaded(compat: bool) -> ServingMetrics:
     m.add_generation_tokens(11)
     m.set_running(2)
     m.set_waiting(1)
+    m.set_prefix_cache(PrefixCacheStats(queries=900, hits=512, blocks=3, bytes=3000, capacity_bytes=10_000))
     m.set_pool_usage(2, 8)
     m.request_finished("length")
     for f in (m.observe_ttft, m.observe_itl, m.observe_e2e, m.observe_queue_time, m.observe_grammar_compile):
@@ -354,6 +356,7 @@ VLLM_NAMES = {
     "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
     "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
     "vllm:e2e_request_latency_seconds_count", "vllm:request_queue_time_seconds_count",
+    "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
 }
 
 
@@ -367,7 +370,8 @@ def test_compat_vllm_exposes_equal_values_under_both_names():
     # every nextn series of an aliased family has its vllm twin
     for (name, labels), v in s.items():
         base = name[len("nextn_"):]
-        nextn_only = "drafted_tokens_per_pos" in name or "grammar_compile" in name
+        nextn_only = any(x in name for x in ("drafted_tokens_per_pos", "grammar_compile", "prefix_cache_bytes",
+                                             "prefix_cache_blocks", "prefix_cache_capacity"))
         if not name.startswith("nextn_") or name.endswith("_created") or nextn_only:
             continue
         assert vllm[("vllm:" + base, labels)] == v, name
@@ -461,3 +465,18 @@ def test_derived_empty_and_mapping_input():
     d = derived(as_json)
     assert d["acceptance_rate"] == 0.25 and d["pos_accepted"] == [1, 0]
     assert d["accept_rate_per_pos"] == [0.5, 0.0]
+
+
+def test_prefix_cache_counters_advance_by_the_engine_counters_increase():
+    m = ServingMetrics(MODEL, 3)
+    m.set_prefix_cache(PrefixCacheStats(capacity_bytes=4096))
+    s = scrape(m)
+    assert s[("nextn_prefix_cache_queries_total", lbl())] == 0 and s[("nextn_prefix_cache_hits_total", lbl())] == 0
+    assert s[("nextn_prefix_cache_capacity_bytes", lbl())] == 4096
+    m.set_prefix_cache(PrefixCacheStats(queries=300, hits=256, blocks=1, bytes=1024, capacity_bytes=4096))
+    m.set_prefix_cache(PrefixCacheStats(queries=700, hits=256, blocks=2, bytes=2048, capacity_bytes=4096))
+    s = scrape(m)
+    assert s[("nextn_prefix_cache_queries_total", lbl())] == 700 and s[("nextn_prefix_cache_hits_total", lbl())] == 256
+    assert s[("nextn_prefix_cache_blocks", lbl())] == 2 and s[("nextn_prefix_cache_bytes", lbl())] == 2048
+    with pytest.raises(ValueError):
+        m.set_prefix_cache(PrefixCacheStats(queries=700, hits=256, blocks=-1))

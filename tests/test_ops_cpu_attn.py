@@ -117,6 +117,46 @@ def test_attention_step_is_batch_and_T_invariant_bitwise():
                                  kv_c.k, kv_c.v, [0, 2, 4], [5, 11, 20], *heads), "size-1 dim")
 
 
+@pytest.mark.parametrize("hd,rotary", [(16, 0.25), (12, 0.5)])
+def test_the_blocked_prefill_path_has_the_step_paths_bits(hd, rotary):
+    """A prefill block (T >= 16: K / V written first, then blocks of queries over chunks of keys) gives every token
+    the bits of one-token steps (the row path), in a batch of rows at different positions, with GQA (4 query heads
+    on 2 kv heads), keys past a 64-key chunk and a token count that is no multiple of the 8-token blocks; and its
+    outputs match the torch twin."""
+    att, cfg = _layer(hd, rotary, seed=3)
+    T, L2 = 37, 160
+    slots, pos0 = [1, 0], [90, 3]
+    qkv = torch.randn(2, T, att._w_qkv.shape[0], generator=torch.Generator().manual_seed(8))
+    cos, sin = FwdCtx.make(cfg, "cpu", torch.float32, slots, pos0, [0] * 2, [0] * 2, T, True).rope
+    args = (one_plus(att.q_norm.weight, torch.float32), one_plus(att.k_norm.weight, torch.float32), att.q_norm.eps)
+    heads = (att.nh, att.nkv, att.hd, att.hd ** -0.5)
+
+    def pool():
+        g = torch.Generator().manual_seed(4)
+        kv = KVPool.alloc(cfg, 2, L2, "cpu", torch.float32)
+        kv.k.copy_(torch.randn(kv.k.shape, generator=g))
+        kv.v.copy_(torch.randn(kv.v.shape, generator=g))
+        return kv
+
+    kv_b, kv_1 = pool(), pool()
+    y_b = cpu.attn_step(qkv, *args, cos, sin, kv_b.k, kv_b.v, slots, pos0, *heads)
+    for i in range(2):
+        for t in range(T):
+            y1 = cpu.attn_step(qkv[i:i + 1, t:t + 1], *args, cos[i:i + 1, t:t + 1], sin[i:i + 1, t:t + 1], kv_1.k,
+                               kv_1.v, [slots[i]], [pos0[i] + t], *heads)
+            assert_bitwise(y1[0, 0], y_b[i, t], f"row {i} token {t}: the blocked path vs a one-token step")
+    assert_bitwise(kv_1.k, kv_b.k, "K")
+    assert_bitwise(kv_1.v, kv_b.v, "V")
+    x = torch.randn(2, T, cfg.hidden_size, generator=torch.Generator().manual_seed(9))
+    ctx = FwdCtx.make(cfg, "cpu", torch.float32, slots, pos0, [0] * 2, [0] * 2, T, False)
+    with torch.inference_mode():
+        with cpu_kernel("attn_step", True):
+            y_k = att(x, ctx, pool())
+        with cpu_kernel("attn_step", False):
+            y_t = att(x, ctx, pool())
+    torch.testing.assert_close(y_k, y_t, rtol=1e-5, atol=1e-5)
+
+
 def test_attention_step_reads_rope_rows_by_position_from_a_table_bitwise():
     """cos / sin as `rope_table`'s table (rows by position, what a step forward passes) give the bits of the same
     rows gathered per token; a position past the table raises instead of reading past it."""
@@ -229,10 +269,10 @@ def test_rms_norm_matches_twin_rowwise_and_on_views(shape):
         cpu.rms_norm(x, w1[:-1], 1e-6)
 
 
-def test_rms_norm_module_takes_the_kernel_in_step_forwards_and_short_prefill_chunks():
-    """RMSNorm runs the C kernel in a step forward (ctx.record) and a prefill chunk of up to cpu.PREFILL_MAX_T
-    tokens per row of an fp32 CPU model; longer chunks, the cache-free forward (the transformers oracle's), fp64 and
-    --no-cpu-kernel keep the torch twin, bitwise."""
+def test_rms_norm_module_takes_the_kernel_in_step_forwards_and_prefill_blocks():
+    """RMSNorm runs the C kernel in a step forward (ctx.record) and a prefill block of any length of an fp32 CPU
+    model; the cache-free forward (the transformers oracle's), fp64 and --no-cpu-kernel keep the torch twin,
+    bitwise."""
     from engine.model.qwen35 import RMSNorm
 
     cfg = _cfg(16, 0.25)
@@ -241,7 +281,7 @@ def test_rms_norm_module_takes_the_kernel_in_step_forwards_and_short_prefill_chu
     with torch.no_grad():
         norm.weight.copy_(torch.randn(16, generator=g))
     x = torch.randn(2, 3, 16, generator=g)
-    long_T = cpu.PREFILL_MAX_T + 1
+    long_T = 300
     xl = torch.randn(2, long_T, 16, generator=g)
     step = FwdCtx.make(cfg, "cpu", torch.float32, [0, 1], [0, 0], [0, 0], [0, 0], 3, True)
     prefill = FwdCtx.make(cfg, "cpu", torch.float32, [0, 1], [0, 0], [0, 0], [0, 0], 3, False)
@@ -252,11 +292,12 @@ def test_rms_norm_module_takes_the_kernel_in_step_forwards_and_short_prefill_chu
             y, yp = norm(x, step), norm(x, prefill)
             assert len(calls) == 2, "the step forward or the short prefill chunk did not run the kernel"
             norm(xl, long_prefill)
+            assert len(calls) == 3, "a long prefill block did not run the kernel"
             norm(x, None)
-            assert len(calls) == 2, "a long prefill chunk / the cache-free forward ran the kernel"
+            assert len(calls) == 3, "the cache-free forward ran the kernel"
         assert_bitwise(y, cpu.rms_norm(x, w1, 1e-6), "step forward: the kernel")
         assert_bitwise(yp, y, "short prefill chunk: the kernel")
-        assert_bitwise(norm(xl, long_prefill), rms_norm_ref(xl, norm.weight, 1e-6), "long prefill: the twin")
+        assert_bitwise(norm(xl, long_prefill), cpu.rms_norm(xl, w1, 1e-6), "long prefill: the kernel")
         assert_bitwise(norm(x, None), rms_norm_ref(x, norm.weight, 1e-6), "no cache: the twin")
         xd = x.double()
         assert_bitwise(norm.double()(xd, step), rms_norm_ref(xd, norm.weight, 1e-6), "fp64: the twin")

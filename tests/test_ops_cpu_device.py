@@ -21,6 +21,7 @@ def builds(monkeypatch):
     calls: list[int] = []
     monkeypatch.setattr(cpu, "_tried", False)
     monkeypatch.setattr(cpu, "_lib", None)
+    monkeypatch.setattr(cpu, "_gemm", cpu._gemm)  # restored after the test (the failed build turns it off)
     monkeypatch.setattr(cpu, "_enabled", True)
     monkeypatch.setattr(cpu, "_build", lambda: calls.append(1))
     return calls

@@ -115,10 +115,10 @@ def test_mlp_matches_torch_path_and_is_batch_invariant(M):
     assert cpu.mlp_or_none(x, mlp._w_gu[:-8], mlp.down_proj.weight) is None  # shapes that do not fit: not taken
 
 
-def test_model_linear_takes_the_gemm_in_step_forwards_and_short_prefill_chunks():
+def test_model_linear_takes_the_gemm_in_step_forwards_and_prefill_blocks():
     cfg = Qwen35Config.from_dict(hf_config(hidden_size=48, num_hidden_layers=1, layer_types=["full_attention"]))
     x, w = torch.randn(1, 2, 48), torch.randn(16, 48)
-    long_T = cpu.PREFILL_MAX_T + 1
+    long_T = 300  # a prefill block of any length takes the kernels (row by row: the same bits as alone)
     xl = torch.randn(1, long_T, 48)
     step = FwdCtx.make(cfg, "cpu", torch.float32, [0], [0], [0], [0], 2, True)
     prefill = FwdCtx.make(cfg, "cpu", torch.float32, [0], [0], [0], [0], 2, False)
@@ -126,7 +126,9 @@ def test_model_linear_takes_the_gemm_in_step_forwards_and_short_prefill_chunks()
     with torch.inference_mode():
         for ctx in (step, prefill):
             assert_bitwise(linear(x, w, ctx), cpu.linear(x, w), "step forward / short prefill: the C GEMM")
-        assert_bitwise(linear(xl, w, long_prefill), F.linear(xl, w), "long prefill: torch's GEMM")
+        yl = linear(xl, w, long_prefill)
+        assert_bitwise(yl, cpu.linear(xl, w), "long prefill: the C GEMM")
+        assert_bitwise(yl[:, :2], cpu.linear(xl[:, :2], w), "a long block's rows are the rows alone")
         assert_bitwise(linear(x, w, None), F.linear(x, w), "no cache: torch's GEMM")
         prev = cpu.set_enabled(False)
         try:

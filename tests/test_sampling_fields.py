@@ -95,22 +95,34 @@ def test_mixed_batch_with_fields_equals_alone(model):
     assert [s.emitted for s in sess] == refs
 
 
-def test_prompt_logprobs_chunked_equal_a_full_forward(model):
+@pytest.mark.parametrize("c_kernels", [True, False])
+def test_prompt_logprobs_chunked_equal_a_full_forward(model, c_kernels):
+    """Prompt logprobs over a grid border equal the cache-free forward's: bit-close on the torch path (its twin);
+    within 1e-3 on the C kernels, whose token-by-token recurrence rounds differently from the chunked form (this
+    random model's most ill-conditioned position, 227, is 1.7e-4 off an fp64 forward in fp32 torch, 7e-4 in C)."""
+    from engine.model.ops import cpu
+
     V = model.config.vocab_size
-    prompt = _prompt(V, n=150, seed=12)
-    s = SpecSession(model, prompt, 4, k=3, prompt_logprobs=3)
-    while s.prefilling:
-        s.prefill_chunk(37)  # chunk borders inside the prompt
+    prompt = _prompt(V, n=300, seed=12)
+    prev = cpu.set_enabled(c_kernels)
+    try:
+        s = SpecSession(model, prompt, 4, k=3, prompt_logprobs=3)
+        while s.prefilling:
+            s.prefill_chunk()  # a grid border inside the prompt
+    finally:
+        cpu.set_enabled(prev)
     lps = s.prompt_logprobs
     assert len(lps) == len(prompt) and lps[0] is None
     with torch.inference_mode():
         full = torch.log_softmax(model(torch.tensor([prompt]))[0].float(), dim=-1)  # [T, V]
+    tol = 1e-3 if c_kernels else 1e-5
     for i in range(1, len(prompt)):
         x, row = lps[i], full[i - 1]
         assert x.token == prompt[i]
-        assert x.logprob == pytest.approx(float(row[prompt[i]]), abs=1e-4)
-        assert x.rank == int((row > row[prompt[i]]).sum()) + 1
-        assert [t for t, _ in x.top] == torch.topk(row, 3).indices.tolist()
+        assert x.logprob == pytest.approx(float(row[prompt[i]]), abs=tol)
+        ties = ((row - row[prompt[i]]).abs() <= 2 * tol).sum() > 1  # a near-tie may rank either way
+        assert ties or x.rank == int((row > row[prompt[i]]).sum()) + 1
+        assert ties or [t for t, _ in x.top] == torch.topk(row, 3).indices.tolist()
     plain = SpecSession(model, prompt, 4, k=3)
     plain.run()
     assert plain.prompt_logprobs == [] and plain.emitted == s.run()  # off by default; never changes the output

@@ -3,7 +3,9 @@
 On the kernel path (`ops.use_triton`: CUDA with triton) every projection is the batch-invariant Triton matmul, the
 experts run as two grouped matmuls over the routing slots sorted by expert (device-side grouping, no host sync),
 and each token's k expert outputs are combined in routing-slot order by one kernel (`ops.moe_combine`), so a
-token's output never depends on which other tokens share the step.
+token's output never depends on which other tokens share the step. An fp32 CPU forward over the pool does the same
+on ops/cpu.py's C kernels (the router's and the shared gate's GEMMs, each expert's SwiGLU over its rows, a sigmoid
+whose bits do not depend on an element's place, the k outputs summed in slot order).
 """
 from __future__ import annotations
 
@@ -39,8 +41,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
         """`ctx`: the forward's FwdCtx; in a step forward (`ctx.record`) an fp32 CPU model with fused weights runs
-        the whole block as ops/cpu.py's C call (batch-invariant GEMMs), as does a short prefill chunk
-        (`ctx.cpu_kernels`). Long prefill chunks and no cache: the torch path."""
+        the whole block as ops/cpu.py's C call (batch-invariant GEMMs), as does a prefill block
+        (`ctx.cpu_kernels`). No cache: the torch path."""
         if ctx is not None and ctx.cpu_kernels and self._w_gu is not None:
             y = cpu.mlp_or_none(x, self._w_gu, self.down_proj.weight)
             if y is not None:
@@ -63,12 +65,15 @@ class Router(nn.Module):
         self.top_k = cfg.num_experts_per_tok
         self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, rowwise: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """rowwise: an fp32 CPU forward on the C kernels (the GEMM and the renormalising sum row by row, in a fixed
+        order, as on the kernel path)."""
         kern = ops.use_triton(x)
-        logits = ops.linear(x, self.weight) if kern else F.linear(x, self.weight)  # [N, E]
+        c = cpu.linear_or_none(x, self.weight) if rowwise else None
+        logits = ops.linear(x, self.weight) if kern else c if c is not None else F.linear(x, self.weight)  # [N, E]
         p = torch.softmax(logits, dim=-1, dtype=torch.float32 if x.dtype != torch.float64 else torch.float64)
         w, idx = torch.topk(p, self.top_k, dim=-1)  # [N, k]
-        if kern:  # the k-term sum in slot order (a torch reduction may reorder it with the row count)
+        if kern or c is not None:  # the k-term sum in slot order (a torch reduction may reorder it with the rows)
             s = w[:, 0]
             for j in range(1, self.top_k):
                 s = s + w[:, j]
@@ -86,12 +91,18 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * Im, H))
         self.down_proj = nn.Parameter(torch.empty(E, H, Im))
 
-    def forward(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, rowwise: bool = False) -> torch.Tensor:
         """x [N, H], routing weights/ids [N, k] -> sum_e w_e * expert_e(x) [N, H].
 
         Few tokens (decode, verify): each token-slot gathers its expert's weights and runs a batched matmul, so
-        routing never needs the host (no per-layer sync). Many tokens (prefill): tokens grouped by expert."""
+        routing never needs the host (no per-layer sync). Many tokens (prefill): tokens grouped by expert.
+        rowwise (an fp32 CPU forward on the C kernels): each expert's rows through ops/cpu.py's SwiGLU, then each
+        token's k outputs weighted and summed in slot order, so a token's bits never depend on the other tokens."""
         N, k = idx.shape
+        if rowwise:
+            out = self._rowwise(x, w, idx)
+            if out is not None:
+                return out
         if N * k * self.gate_up_proj[0].numel() * 3 // 2 * x.element_size() <= GATHER_BYTES:
             gu = self.gate_up_proj[idx]  # [N, k, 2Im, H]
             gate, up = (gu @ x[:, None, :, None]).squeeze(-1).chunk(2, dim=-1)  # [N, k, Im] each
@@ -106,6 +117,27 @@ class Experts(nn.Module):
         return out
 
 
+    def _rowwise(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor | None:
+        """The C kernels' experts (None when ops/cpu.py's GEMM does not take these shapes)."""
+        N, k = idx.shape
+        ys = x.new_empty(N, k, x.shape[-1])  # [N, k, H]: token t's output of its j-th routed expert
+        slots = idx.tolist()  # the host routes (a CPU: no device to wait for)
+        rows: dict[int, list[tuple[int, int]]] = {}
+        for t, es in enumerate(slots):
+            for j, e in enumerate(es):
+                rows.setdefault(e, []).append((t, j))
+        for e, tj in rows.items():
+            tok = torch.tensor([t for t, _ in tj])
+            y = cpu.mlp_or_none(x[tok], self.gate_up_proj[e], self.down_proj[e])  # [n_e, H]
+            if y is None:
+                return None
+            ys[tok, torch.tensor([j for _, j in tj])] = y
+        out = ys[:, 0] * w[:, :1]
+        for j in range(1, k):
+            out = out + ys[:, j] * w[:, j:j + 1]
+        return out
+
+
 class SparseMoeBlock(nn.Module):
     """y = routed(x) + sigmoid(x . shared_expert_gate) * shared_expert(x)."""
 
@@ -117,13 +149,18 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
-        """x [..., H]; `ctx` (the forward's context) is not used: routing and experts run as torch ops on a CPU."""
+        """x [..., H]; `ctx`: the forward's context. An fp32 CPU forward over the pool (`ctx.cpu_kernels`) runs the
+        router's GEMM, the experts, the shared expert and its gate on ops/cpu.py's row-wise kernels; without a
+        context, torch ops."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])  # [N, H]
-        w, idx = self.gate(flat)
+        rowwise = ctx is not None and ctx.cpu_kernels and cpu.takes(flat)
+        w, idx = self.gate(flat, rowwise)
         if ops.use_triton(flat):
             return self._forward_kernels(flat, w, idx).reshape(shape)
-        y = self.experts(flat, w, idx) + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        gate = cpu.linear_or_none(flat, self.shared_expert_gate.weight) if rowwise else None  # [N, 1]
+        gate = torch.sigmoid(self.shared_expert_gate(flat)) if gate is None else cpu.sigmoid(gate)
+        y = self.experts(flat, w, idx, rowwise) + gate * self.shared_expert(flat, ctx if rowwise else None)
         return y.reshape(shape)
 
     def _forward_kernels(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

@@ -6,8 +6,8 @@ zero-centred (1+w) RMSNorm. One forward handles three cases, chosen by the calle
   * no cache (training / oracle): causal over the batch, chunked GDN;
   * a `FwdCtx` over a `StatePool` with record=False (prefill chunks): KV written at each row's pos0..,
     GDN state read from and written back to the row's live window slot (T == 1 -> recurrent step,
-    T > 1 -> chunked form; on a CPU in fp32, chunks of up to cpu.PREFILL_MAX_T tokens per row run the C kernels
-    below, the recurrence token by token);
+    T > 1 -> chunked form; on a CPU in fp32, blocks of any length run the C kernels below, the recurrence token
+    by token, so a block's rows are computed as a step forward computes them);
   * a `FwdCtx` with record=True (a step forward: spec verify, decode and MTP drafts, N rows x T tokens; on a CPU
     in fp32 its attention and GDN layers run ops/cpu.py's C kernels): GDN runs the recurrent step per
     token and writes the state after each token to its own window slot, so the session keeps any prefix in
@@ -19,7 +19,7 @@ cached keys (a per-row causal mask), the GDN recurrence and every projection are
 Two implementations of the same math, chosen per tensor by `ops.use_triton` (CUDA with triton installed):
   * the torch path (CPU): F.linear, one SDPA call over all rows (each row masked to its own keys), the torch GDN
     recurrence; unchanged by the kernel path. Its rounding may depend on the batch (bench/RESULTS.md measures it).
-    An fp32 model's step forwards (`ctx.record`) and short prefill chunks (`FwdCtx.cpu_kernels`) run ops/cpu.py's
+    An fp32 model's step forwards (`ctx.record`) and prefill blocks (`FwdCtx.cpu_kernels`) run ops/cpu.py's
     C kernels instead where they apply: the GEMMs (AVX2 + FMA), the dense MLP, the RMSNorms, the attention and GDN
     token steps, each row-wise with fixed sum orders, so a dense model's verify logits are bitwise the same alone,
     in any batch and at any T (and a short prompt's prefill state the same however it is chunked);
@@ -63,8 +63,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: FwdCtx | None = None) -> torch.Tensor:
         """`ctx`: the forward's context; in a step forward (`ctx.record`: decode, verify, MTP drafts) or a short
-        prefill chunk (`ctx.cpu_kernels`) fp32 CPU rows take ops/cpu.py's C kernel. Long prefill chunks and the
-        cache-free forward keep the torch twin."""
+        prefill block (`ctx.cpu_kernels`) fp32 CPU rows take ops/cpu.py's C kernel. The cache-free forward keeps the
+        torch twin."""
         if ctx is not None and ctx.cpu_kernels and cpu.takes(x):
             return cpu.rms_norm(x, one_plus(self.weight, x.dtype), self.eps)
         return ops.rms_norm(x, self.weight, self.eps)
@@ -84,7 +84,7 @@ class GatedRMSNorm(nn.Module):
 
 def linear(x: torch.Tensor, w: torch.Tensor, ctx: FwdCtx | None = None) -> torch.Tensor:
     """x @ w^T: the batch-invariant kernel on the kernel path, F.linear on the torch path; in a step forward or a
-    short prefill chunk (`ctx.cpu_kernels`) of an fp32 CPU model, ops/cpu.py's batch-invariant C GEMM when this CPU
+    prefill block (`ctx.cpu_kernels`) of an fp32 CPU model, ops/cpu.py's batch-invariant C GEMM when this CPU
     has AVX2 + FMA. An FP8 weight (kept only where the kernel path runs, engine/loader.py) takes ops.linear's FP8
     matmul."""
     if ops.use_triton(x) or w.dtype == FP8:
@@ -271,9 +271,9 @@ class FwdCtx:
     @property
     def cpu_kernels(self) -> bool:
         """Whether this forward may run ops/cpu.py's C kernels (each op still checks dtype, device and the build):
-        step forwards (record: decode, verify, MTP drafts) and cached prefill chunks of up to cpu.PREFILL_MAX_T
-        tokens per row; never the kernel path's step context."""
-        return not self.kernels and (self.record or self.T <= cpu.PREFILL_MAX_T)
+        every host forward over the pool (step forwards: decode, verify, MTP drafts; prefill blocks of any length),
+        never the kernel path's step context."""
+        return not self.kernels
 
     def causal_masks(self, device: torch.device | str) -> torch.Tensor:
         """Host forwards: every row's attention mask [N, T, max(pos0) + T] (query t of row i sees keys
@@ -365,8 +365,7 @@ class GatedAttention(nn.Module):
         positions 0..T-1). With `ctx` and `kv`: row i's K/V are written at kv[slot_i, pos0_i..] and its queries
         attend its own cached keys [0, pos0_i + t] (a kernel-path step context: the pool attention kernel). On a CPU,
         for fp32 and when ops/cpu.py's C kernels are built, step forwards (`ctx.record`: decode, verify, MTP drafts)
-        and short prefill chunks (`ctx.cpu_kernels`) run everything between the two projections as one C call;
-        longer prefill chunks keep SDPA."""
+        and prefill blocks (`ctx.cpu_kernels`) run everything between the two projections as one C call."""
         N, T, _ = x.shape
         nq, nk = 2 * self.nh * self.hd, self.nkv * self.hd
         if self._w_qkv is not None:
@@ -463,9 +462,9 @@ class GatedDeltaNet(nn.Module):
         """x: [N, T, H] -> [N, T, H]. Without `ctx`: zero initial state, chunked form. With `ctx`: conv and
         recurrent state read from window slot read_i of row i's pool slot; recording forwards run the recurrent
         step per token and write every per-position state, others write the final state (see `FwdCtx`). On a CPU,
-        for fp32 and when ops/cpu.py's C kernel is built, step forwards and short prefill chunks (`ctx.cpu_kernels`;
+        for fp32 and when ops/cpu.py's C kernel is built, step forwards and prefill blocks (`ctx.cpu_kernels`;
         padding rows through `lens`) run as that one fused call from the input projection to the gated norm, token
-        by token; longer prefill chunks keep the chunked form."""
+        by token."""
         N, T, _ = x.shape
         dt = x.dtype
         sdt = torch.float64 if dt == torch.float64 else torch.float32

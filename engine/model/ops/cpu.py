@@ -1,8 +1,8 @@
 """The CPU kernels, in C, built with the system C compiler on first use and called through ctypes: the Gated
 DeltaNet token step (cpu_gdn.c), the gated attention token step and the zero-centred RMSNorm (cpu_attn.c), the
-small-M GEMM and the SwiGLU MLP built on it (cpu_linear.c, AVX2 + FMA; its tiles of two or more rows run 16 lanes
-wide on a CPU with AVX-512, with the same bits) and the greedy pick over logits rows (cpu_sample.c, torch.argmax's
-picks); cpu_vec.h holds the vector type and the exp they share.
+small-M GEMM and the SwiGLU MLP built on it (cpu_linear.c, AVX2 + FMA or portable C; its tiles of two or more rows
+run 16 lanes wide on a CPU with AVX-512, with the same bits) and the greedy pick over logits rows (cpu_sample.c,
+torch.argmax's picks); cpu_vec.h holds the vector type and the exp they share, cpu_arch.h which code is built.
 
 Why: on a CPU a small model's decode step is bound by op dispatch, not arithmetic. The torch path spends ~60 aten
 calls per GDN layer per token between the input projection and the output projection (conv, l2norm, gates,
@@ -11,7 +11,7 @@ the K/V writes, SDPA and its mask, the gate) and 7 per RMSNorm; each kernel does
 (bench/RESULTS.md). torch's GEMM (MKL) rounds a row differently with the row count; cpu_linear.c's does not.
 
 Contract: `attn_step` computes what GatedAttention's torch path computes over the KV pool for step forwards
-(decode, verify, MTP drafts) and prefill chunks of up to PREFILL_MAX_T tokens per row (longer ones keep SDPA), and
+(decode, verify, MTP drafts) and prefill blocks of any length, and
 `rms_norm` what norm.rms_norm_ref computes, both for fp32. `gdn_step` computes what GatedDeltaNet's torch path
 computes over the pool for those forwards, for fp32 models: row i reads window slot read[i] of pool slot slots[i];
 in a recording forward the state after token t goes to window slot write0[i] + t, in a prefill chunk every token
@@ -29,6 +29,15 @@ eight lanes at a time), cached by the sources' and flags' hash under
 ~/.cache/nextn/kernels (a temporary directory when that is not writable). Without a C compiler, or when the build
 fails, `available()` is False (logged once) and the model keeps the torch path. `set_enabled(False)` turns the
 kernels off for the process (the A/B benchmarks and the twin tests use it).
+
+Two builds of the same sources (cpu_arch.h): the x86 one (the GEMM in AVX2 + FMA intrinsics, AVX-512 tiles,
+MXCSR) on x86 CPUs, and the portable one (-DNEXTN_PORTABLE: plain C and vector extensions, the GEMM's lanes through
+C99 fmaf) on every other CPU (aarch64) and on an x86 CPU with FMA but no AVX2 (built with -mfma there, so fmaf is
+the instruction). They give every output the same bits (tests/test_ops_cpu_portable.py). The GEMM runs only where
+the fused multiply-add is an instruction: an x86 CPU without FMA keeps torch's GEMM (with glibc's software fmaf
+the portable GEMM costs ~70 ns a multiply-add, hundreds of times torch's), and its prefill then carries one
+session per forward (engine/prefill.py `packs_rows`). The choice is logged once; `use_portable_build()` forces the
+portable build (tests).
 """
 from __future__ import annotations
 
@@ -50,21 +59,42 @@ log = logging.getLogger("nextn.cpu_kernels")
 
 SOURCES = tuple(Path(__file__).with_name(f) for f in ("cpu_gdn.c", "cpu_attn.c", "cpu_linear.c", "cpu_par.c",
                                                       "cpu_sample.c"))
-HEADERS = tuple(Path(__file__).with_name(f) for f in ("cpu_vec.h", "cpu_par.h"))
+HEADERS = tuple(Path(__file__).with_name(f) for f in ("cpu_vec.h", "cpu_par.h", "cpu_arch.h"))
 FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-pthread", "-shared", "-fPIC")
+X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 
-def _cpu_flags() -> tuple[str, ...]:
-    """-mavx2 when this CPU has AVX2 (Linux /proc/cpuinfo): the 8-lane sums then run as one vector op. No -mfma:
-    with -ffp-contract=off the arithmetic is the same IEEE operations in the same order either way."""
+def _x86_features() -> set[str]:
+    """Which of AVX2 and FMA this x86 CPU has (Linux /proc/cpuinfo; none when it cannot be read)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return ("-mavx2",) if " avx2" in line else ()
+                    return {"avx2", "fma"} & set(line.split())
     except OSError:
         pass
-    return ()
+    return set()
+
+
+def _portable_reason() -> str | None:
+    """Why this machine takes the portable build (None: the x86 one; see the module docstring)."""
+    if _force_portable:
+        return "forced by use_portable_build"
+    if not X86:
+        return f"{platform.machine() or 'this CPU'} is not x86"
+    if _x86_features() == {"fma"}:
+        return "an x86 CPU with FMA but without AVX2"
+    return None
+
+
+def _flags(portable: bool) -> tuple[str, ...]:
+    """The compiler flags of a build. x86: -mavx2 when the CPU has AVX2 (the 8-lane sums then run as one vector op;
+    no -mfma: the intrinsics ask for FMA themselves, and with -ffp-contract=off every other sum is the same IEEE
+    operations either way). Portable: -DNEXTN_PORTABLE (the x86 code off, cpu_arch.h), and -mfma on an x86 CPU with
+    FMA, so that fmaf is the instruction (without it, a call to libm)."""
+    if not portable:
+        return (*FLAGS, *(("-mavx2",) if "avx2" in _x86_features() else ()))
+    return (*FLAGS, "-DNEXTN_PORTABLE", *(("-mfma",) if X86 and "fma" in _x86_features() else ()))
 
 
 _MAX_KC = 16  # cpu_gdn.c's MAX_KC
@@ -74,10 +104,8 @@ _lib: ctypes.CDLL | None = None
 _tried = False
 _enabled = True
 _why = ""  # why the kernel is unavailable (set by a failed build)
-_gemm = False  # the CPU has AVX2 and FMA: cpu_linear.c's GEMM runs (set by the build)
-#: Prefill chunks of up to this many tokens per row run the kernels too (their per-token recurrence and attention
-#: cost what the step's do; longer chunks keep torch's chunked GDN and SDPA, which scale better with T).
-PREFILL_MAX_T = 128
+_gemm = False  # cpu_linear.c's GEMM runs (nextn_linear_ok: AVX2 + FMA, or a portable build with hardware FMA)
+_force_portable = False  # use_portable_build
 _threads = 1  # threads the kernels may use (cpu_par.c: 1 or 2), applied to the library when it is built
 _wide = True  # the GEMM's 16-lane tiles where the CPU has AVX-512 (set_wide), applied when it is built
 MAX_THREADS = 2  # cpu_par.c runs the calling thread and one helper
@@ -101,14 +129,21 @@ def _unavailable(why: str, level: int = logging.INFO) -> None:
     log.log(level, "CPU kernel unavailable (%s); the torch path runs", why)
 
 
-def _build() -> ctypes.CDLL | None:
+def _build(portable: bool | None = None) -> ctypes.CDLL | None:
+    """The library built (or found in the cache) from the portable or the x86 code (None: the one this machine
+    takes, logged when portable), its functions typed; None when it cannot be had (logged)."""
+    if portable is None:
+        why = _portable_reason()
+        if why:
+            log.info("CPU kernels: the portable build (%s)", why)
+        portable = why is not None
     cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
         _unavailable("no C compiler (cc) on PATH")
         return None
     try:  # no writable cache nor temporary directory (a read-only root file system), an unreadable source
         src = b"".join(f.read_bytes() for f in (*SOURCES, *HEADERS))
-        flags = (*FLAGS, *_cpu_flags())
+        flags = _flags(portable)
         key = hashlib.sha256(src + " ".join(flags).encode() + platform.machine().encode() + cc.encode()).hexdigest()
         so = _cache_dir() / f"nextn_cpu-{key[:16]}.so"
     except OSError as e:
@@ -140,10 +175,14 @@ def _build() -> ctypes.CDLL | None:
     fn.argtypes = [i64, i64, ptr, i64, ptr, ptr, ctypes.c_float, ptr, ptr, i64, i64, ptr, ptr, i64, ptr, ptr, i64,
                    i64, i64, ctypes.c_float, ptr]
     fn.restype = ctypes.c_int
+    fn = lib.nextn_sigmoid_f32
+    fn.argtypes = [i64, ptr, ptr]
+    fn.restype = ctypes.c_int
     fn = lib.nextn_rms_norm_f32
     fn.argtypes = [i64, i64, ptr, i64, ptr, ctypes.c_float, ptr]
     fn.restype = ctypes.c_int
     lib.nextn_linear_ok.argtypes, lib.nextn_linear_ok.restype = [], ctypes.c_int
+    lib.nextn_portable.argtypes, lib.nextn_portable.restype = [], ctypes.c_int
     fn = lib.nextn_linear_f32
     fn.argtypes = [i64, i64, i64, ptr, i64, ptr, ptr]
     fn.restype = ctypes.c_int
@@ -168,8 +207,32 @@ def _get() -> ctypes.CDLL | None:
             if not _tried:
                 _lib = _build()
                 _gemm = _lib is not None and bool(_lib.nextn_linear_ok())
+                if _lib is not None and not _gemm:
+                    log.info("CPU GEMM off (%s): torch's GEMM runs, and prefill carries one session per forward",
+                             _no_gemm_reason())
                 _tried = True
     return _lib
+
+
+def _no_gemm_reason() -> str:
+    return ("no hardware FMA: a software fmaf is hundreds of times slower than torch's GEMM" if _lib is not None
+            and _lib.nextn_portable() else "this CPU lacks AVX2 + FMA")
+
+
+def use_portable_build(on: bool = True) -> None:
+    """Tests only: build the kernels from their portable code (-DNEXTN_PORTABLE, as on a CPU that is not x86) from
+    the next build on. Call it before anything builds the library: RuntimeError once a library of the other kind is
+    loaded. (Serving never calls it: the build is chosen by the machine, see the module docstring.)"""
+    global _force_portable
+    if _tried and _lib is not None and bool(_lib.nextn_portable()) != on:
+        raise RuntimeError("the CPU kernels are already loaded from the other build")
+    _force_portable = bool(on)
+
+
+def portable() -> bool:
+    """Whether the loaded library is the portable build (builds it on the first call; False when unavailable)."""
+    lib = _get()
+    return lib is not None and bool(lib.nextn_portable())
 
 
 def _lib_or_raise() -> ctypes.CDLL:
@@ -245,10 +308,11 @@ def describe(device: torch.device | str, dtype: torch.dtype) -> str | None:
         return f"{what}: torch ops (--no-cpu-kernel)"
     if _get() is None:
         return f"{what}: torch ops (C kernels unavailable: {_why})"
-    gemm = "; GEMMs: torch (this CPU lacks AVX2 + FMA)" if not _gemm else \
+    gemm = f"; GEMMs: torch ({_no_gemm_reason()})" if not _gemm else \
         "; GEMM tiles: 16 lanes (AVX-512)" if _lib.nextn_linear_set_wide(int(_wide)) else ""  # type: ignore
-    return (f"{what}: C kernels (engine/model/ops/cpu_gdn.c, cpu_attn.c, cpu_linear.c, cpu_sample.c) on {_threads} "
-            f"thread{'s' if _threads > 1 else ''}{gemm}")
+    build = ", portable build" if _lib.nextn_portable() else ""  # type: ignore
+    return (f"{what}: C kernels (engine/model/ops/cpu_gdn.c, cpu_attn.c, cpu_linear.c, cpu_sample.c{build}) on "
+            f"{_threads} thread{'s' if _threads > 1 else ''}{gemm}")
 
 
 def usable(x: torch.Tensor, kc: int) -> bool:
@@ -392,8 +456,23 @@ def rms_norm(x: torch.Tensor, w1: torch.Tensor, eps: float) -> torch.Tensor:
     return y
 
 
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """1 / (1 + e^-x) element by element (cpu_attn.c, cpu_vec.h's exp): x fp32 (any shape and layout); a new
+    contiguous tensor. An element's bits never depend on the tensor's size or its index, unlike torch.sigmoid's
+    (vectorised body and scalar tail round differently)."""
+    lib = _lib_or_raise()
+    if x.dtype != torch.float32:
+        raise ValueError("sigmoid: x must be float32")
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    if x.numel():
+        lib.nextn_sigmoid_f32(x.numel(), x.data_ptr(), y.data_ptr())
+    return y
+
+
 def gemm_takes(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether `linear_or_none` computes x @ w^T: fp32 CPU tensors that need no gradient, this CPU has AVX2 + FMA,
+    """Whether `linear_or_none` computes x @ w^T: fp32 CPU tensors that need no gradient, the GEMM built (AVX2 + FMA,
+    or the portable build on a CPU with hardware FMA),
     w contiguous [N, K] with K a multiple of 8 (decided by w and the machine alone, never by the row count)."""
     return (x.device.type == "cpu" and x.dtype == w.dtype == torch.float32 and _enabled
             and not x.requires_grad and not w.requires_grad and w.dim() == 2 and w.shape[1] > 0 and w.shape[1] % 8 == 0
@@ -420,7 +499,7 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     y = linear_or_none(x, w)
     if y is None:
         raise ValueError("linear: x [..., K], w [N, K] float32 CPU, w contiguous, K a multiple of 8, no gradient, "
-                         "the GEMM available (AVX2 + FMA)")
+                         "the GEMM available (hardware FMA)")
     return y
 
 

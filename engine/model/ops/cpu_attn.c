@@ -12,6 +12,7 @@
  *          p = softmax(s), o = sum_j p_j v_j
  *   gate:  out = o * sigmoid(gate)
  * nextn_rms_norm_f32: y = x * rsqrt(sum(x^2) / H + eps) * w1, per row.
+ * nextn_sigmoid_f32: y = 1 / (1 + e^-x), element by element, the same bits wherever an element sits.
  *
  * Every (row, token) runs the same code in the same order whatever N and T are, and no sum is reordered by the
  * compiler (no -ffast-math, -ffp-contract=off; the 8-lane partial sums are written out), so a row's bits never
@@ -56,41 +57,23 @@ static inline v8 hsum8x8_(const v8 *a) {
     return SHUF8_(u, u, 0, 4, 1, 5, 2, 6, 3, 7);
 }
 
-/* o = softmax(scale * q . k_j) . v_j over keys j < n of one kv head (rows kd floats apart); p: n floats of
- * scratch. Sums run over j ascending in eight lanes (lane l takes j = l mod 8) then a fixed tree; the score of
- * key j is dot_(q, k_j) whichever loop computes it. */
-static void attend_(const float *q, const float *k, const float *v, int64_t kd, int64_t n, int64_t hd, float scale,
-                    float *p, float *o) {
-    int64_t j = 0;
-    if (hd % 8 == 0) {  /* eight, then four keys at a time: the same per-key sums as dot_, independent chains */
-        for (; j + 8 <= n; j += 8) {  /* the eight trees in one vector (hsum8x8_), the scores stored at once */
-            v8 a[8];
-            for (int e = 0; e < 8; e++) a[e] = splat8_(0.0f);
-            for (int64_t d = 0; d < hd; d += 8) {
-                const v8 qv = ld8_(q + d);
-                for (int e = 0; e < 8; e++) a[e] = a[e] + qv * ld8_(k + (j + e) * kd + d);
-            }
-            st8_(p + j, hsum8x8_(a) * scale);
-        }
-        for (; j + 4 <= n; j += 4) {
-            const float *k0 = k + j * kd, *k1 = k0 + kd, *k2 = k1 + kd, *k3 = k2 + kd;
-            v8 a0 = {0, 0, 0, 0, 0, 0, 0, 0}, a1 = a0, a2 = a0, a3 = a0;
-            for (int64_t d = 0; d < hd; d += 8) {
-                const v8 qv = ld8_(q + d);
-                a0 = a0 + qv * ld8_(k0 + d);
-                a1 = a1 + qv * ld8_(k1 + d);
-                a2 = a2 + qv * ld8_(k2 + d);
-                a3 = a3 + qv * ld8_(k3 + d);
-            }
-            p[j] = hsum8_(a0) * scale;
-            p[j + 1] = hsum8_(a1) * scale;
-            p[j + 2] = hsum8_(a2) * scale;
-            p[j + 3] = hsum8_(a3) * scale;
-        }
+/* p[e] = (q . k_e) * scale for the eight keys k_e = k + e * kd (hd % 8 == 0): the eight trees in one vector
+ * (hsum8x8_), the same per-key sums as dot_ */
+static inline void score8_(const float *q, const float *k, int64_t kd, int64_t hd, float scale, float *p) {
+    v8 a[8];
+    for (int e = 0; e < 8; e++) a[e] = splat8_(0.0f);
+    for (int64_t d = 0; d < hd; d += 8) {
+        const v8 qv = ld8_(q + d);
+        for (int e = 0; e < 8; e++) a[e] = a[e] + qv * ld8_(k + e * kd + d);
     }
-    for (; j < n; j++) p[j] = dot_(q, k + j * kd, hd) * scale;
-    /* the max, in eight lanes then across them: the same value as one pass in order (a max of the same numbers;
-     * only the sign of a zero maximum may differ, which changes no p[j] - m) */
+    st8_(p, hsum8x8_(a) * scale);
+}
+
+/* p[j] <- softmax(p)[j], j < n: the max in eight lanes then across them (the same value as one pass in order, a
+ * max of the same numbers; only the sign of a zero maximum may differ, which changes no p[j] - m), e^(p_j - m) per
+ * lane, their sum in eight lanes (lane l takes j = l mod 8 in order) and hsum8_'s tree, then one multiply each */
+static void softmax_(float *p, int64_t n) {
+    int64_t j;
     v8 mv = splat8_(-INFINITY);
     for (j = 0; j + 8 <= n; j += 8) {
         const v8 x = ld8_(p + j);
@@ -115,6 +98,34 @@ static void attend_(const float *q, const float *k, const float *v, int64_t kd, 
     }
     const float inv = 1.0f / hsum8_(acc);
     for (j = 0; j < n; j++) p[j] = p[j] * inv;
+}
+
+/* o = softmax(scale * q . k_j) . v_j over keys j < n of one kv head (rows kd floats apart); p: n floats of
+ * scratch. Sums run over j ascending in eight lanes (lane l takes j = l mod 8) then a fixed tree; the score of
+ * key j is dot_(q, k_j) whichever loop computes it. */
+static void attend_(const float *q, const float *k, const float *v, int64_t kd, int64_t n, int64_t hd, float scale,
+                    float *p, float *o) {
+    int64_t j = 0;
+    if (hd % 8 == 0) {  /* eight, then four keys at a time: the same per-key sums as dot_, independent chains */
+        for (; j + 8 <= n; j += 8) score8_(q, k + j * kd, kd, hd, scale, p + j);
+        for (; j + 4 <= n; j += 4) {
+            const float *k0 = k + j * kd, *k1 = k0 + kd, *k2 = k1 + kd, *k3 = k2 + kd;
+            v8 a0 = {0, 0, 0, 0, 0, 0, 0, 0}, a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t d = 0; d < hd; d += 8) {
+                const v8 qv = ld8_(q + d);
+                a0 = a0 + qv * ld8_(k0 + d);
+                a1 = a1 + qv * ld8_(k1 + d);
+                a2 = a2 + qv * ld8_(k2 + d);
+                a3 = a3 + qv * ld8_(k3 + d);
+            }
+            p[j] = hsum8_(a0) * scale;
+            p[j + 1] = hsum8_(a1) * scale;
+            p[j + 2] = hsum8_(a2) * scale;
+            p[j + 3] = hsum8_(a3) * scale;
+        }
+    }
+    for (; j < n; j++) p[j] = dot_(q, k + j * kd, hd) * scale;
+    softmax_(p, n);
     int64_t d = 0;
     for (; d + 16 <= hd; d += 16) {  /* as below, for o[d..d+15] in one pass over the keys (c[e][u]: chain e of the
                                       * u-th eight dims) */
@@ -173,12 +184,21 @@ static inline void rms_rope_(const float *x, const float *w1, float eps, int64_t
     memcpy(y, tmp, sizeof(float) * (size_t)R);
 }
 
+/* op = o * sigmoid(gate), hd floats (the tail as one padded vector: the same per-lane operations) */
+static inline void gated_(const float *o, const float *gate, int64_t hd, float *op) {
+    int64_t d = 0;
+    for (; d + 8 <= hd; d += 8) st8_(op + d, ld8_(o + d) * (1.0f / (1.0f + exp8_(-ld8_(gate + d)))));
+    if (d < hd)
+        stn_(op + d, ldn_(o + d, hd - d, 0.0f) * (1.0f / (1.0f + exp8_(-ldn_(gate + d, hd - d, 0.0f)))), hd - d);
+}
+
 typedef struct {
     int64_t T, qkv_row, R, by_pos, cache_slot, nh, nkv, hd;
     const float *qkv, *qw1, *kw1, *cos, *sin;
     float *kc, *vc, *out, eps, scale;
     const int64_t *slots, *pos0;
     _Atomic int err;
+    float *qbuf;  /* the blocked path: [N * T, nh, hd] normed, rotated queries */
 } attn_job_;
 
 /* row i's T tokens, in order */
@@ -205,16 +225,95 @@ static void attn_row_(void *arg, int64_t i) {
             const int64_t kh = h / g;
             rms_rope_(x + h * 2 * hd, J->qw1, eps, hd, c, s, R, q);
             attend_(q, ks + kh * hd, vs + kh * hd, kd, pos + 1, hd, scale, p, o);
-            const float *gate = x + h * 2 * hd + hd;
-            float *op = J->out + row * nh * hd + h * hd;
-            int64_t d = 0;  /* o * sigmoid(gate) */
-            for (; d + 8 <= hd; d += 8) st8_(op + d, ld8_(o + d) * (1.0f / (1.0f + exp8_(-ld8_(gate + d)))));
-            if (d < hd)
-                stn_(op + d, ldn_(o + d, hd - d, 0.0f) * (1.0f / (1.0f + exp8_(-ldn_(gate + d, hd - d, 0.0f)))),
-                     hd - d);
+            gated_(o, x + h * 2 * hd + hd, hd, J->out + row * nh * hd + h * hd);
         }
     }
     free(p);
+}
+
+
+/* The blocked path (a prefill block: T >= BLOCKED_MIN_T): the same numbers as attn_row_, computed in an order that
+ * reuses each K and V row for many queries. First every (row, token) writes its K / V and its normed, rotated
+ * queries (attn_prep_); then each work item takes one row, one kv head and TOK_BLOCK tokens: the g * TOK_BLOCK
+ * queries that read that kv head, over KEY_CHUNK keys at a time (attn_block_). A query's scores are dot_'s sums
+ * (score8_ or dot_), its softmax is softmax_, and its output's four chains per dim take keys j = e mod 4 in
+ * ascending order, then (c0 + c1) + (c2 + c3): attend_'s operations on the same operands, only interleaved with
+ * other queries'. So a token's output is bitwise the same on either path, alone or in any batch. */
+#define BLOCKED_MIN_T 16
+#define TOK_BLOCK 8
+#define KEY_CHUNK 64
+
+/* row i = item / T, token t = item % T: K / V to the cache, the queries to qbuf */
+static void attn_prep_(void *arg, int64_t item) {
+    attn_job_ *J = arg;
+    const int64_t T = J->T, R = J->R, nh = J->nh, nkv = J->nkv, hd = J->hd, kd = nkv * hd;
+    const int64_t i = item / T, t = item % T, row = i * T + t, pos = J->pos0[i] + t;
+    const int64_t rr = J->by_pos ? pos : row;
+    const float *x = J->qkv + row * J->qkv_row, *c = J->cos + rr * R, *s = J->sin + rr * R;
+    float *ks = J->kc + J->slots[i] * J->cache_slot, *vs = J->vc + J->slots[i] * J->cache_slot;
+    for (int64_t h = 0; h < nkv; h++) {
+        rms_rope_(x + 2 * nh * hd + h * hd, J->kw1, J->eps, hd, c, s, R, ks + pos * kd + h * hd);
+        memcpy(vs + pos * kd + h * hd, x + 2 * nh * hd + kd + h * hd, sizeof(float) * (size_t)hd);
+    }
+    for (int64_t h = 0; h < nh; h++) rms_rope_(x + h * 2 * hd, J->qw1, J->eps, hd, c, s, R, J->qbuf + (row * nh + h) * hd);
+}
+
+/* row i, kv head kh, tokens [t0, t1) (the item's index decodes to them): every query of those tokens that reads kv
+ * head kh, attended and gated into `out` */
+static void attn_block_(void *arg, int64_t item) {
+    attn_job_ *J = arg;
+    const int64_t T = J->T, nh = J->nh, nkv = J->nkv, hd = J->hd, kd = nkv * hd, g = nh / nkv;
+    const int64_t nb = (T + TOK_BLOCK - 1) / TOK_BLOCK, i = item / (nkv * nb), kh = item / nb % nkv;
+    const int64_t t0 = item % nb * TOK_BLOCK, t1 = t0 + TOK_BLOCK < T ? t0 + TOK_BLOCK : T, Q = g * (t1 - t0);
+    const int64_t p0 = J->pos0[i], nmax = p0 + t1, pitch = (nmax + 7) & ~(int64_t)7;
+    const float *k = J->kc + J->slots[i] * J->cache_slot + kh * hd, *v = J->vc + J->slots[i] * J->cache_slot + kh * hd;
+    const float scale = J->scale;
+    float *P = malloc(sizeof(float) * (size_t)(Q * pitch + Q * 4 * hd + hd));
+    if (!P) {
+        J->err = 2;
+        return;
+    }
+    float *acc = P + Q * pitch, *o = acc + Q * 4 * hd;
+    /* query q: token t0 + q / g, head kh * g + q % g, keys 0 .. p0 + t */
+#define QROW_(q) (J->qbuf + ((i * T + t0 + (q) / g) * nh + kh * g + (q) % g) * hd)
+#define NKEYS_(q) (p0 + t0 + (q) / g + 1)
+    for (int64_t j0 = 0; j0 < nmax; j0 += KEY_CHUNK) {
+        const int64_t j1 = j0 + KEY_CHUNK < nmax ? j0 + KEY_CHUNK : nmax;
+        for (int64_t q = 0; q < Q; q++) {
+            const int64_t hi = NKEYS_(q) < j1 ? NKEYS_(q) : j1;
+            const float *qv = QROW_(q);
+            float *p = P + q * pitch;
+            int64_t j = j0;
+            if (hd % 8 == 0)
+                for (; j + 8 <= hi; j += 8) score8_(qv, k + j * kd, kd, hd, scale, p + j);
+            for (; j < hi; j++) p[j] = dot_(qv, k + j * kd, hd) * scale;
+        }
+    }
+    for (int64_t q = 0; q < Q; q++) softmax_(P + q * pitch, NKEYS_(q));
+    memset(acc, 0, sizeof(float) * (size_t)(Q * 4 * hd));
+    for (int64_t j0 = 0; j0 < nmax; j0 += KEY_CHUNK) {
+        const int64_t j1 = j0 + KEY_CHUNK < nmax ? j0 + KEY_CHUNK : nmax;
+        for (int64_t q = 0; q < Q; q++) {
+            const int64_t hi = NKEYS_(q) < j1 ? NKEYS_(q) : j1;
+            const float *p = P + q * pitch;
+            for (int64_t j = j0; j < hi; j++) {  /* chain j mod 4 of every dim: c += p_j * v_j */
+                const float pj = p[j], *vr = v + j * kd;
+                float *c = acc + (q * 4 + (j & 3)) * hd;
+                int64_t d = 0;
+                for (; d + 8 <= hd; d += 8) st8_(c + d, ld8_(c + d) + pj * ld8_(vr + d));
+                for (; d < hd; d++) c[d] = c[d] + pj * vr[d];
+            }
+        }
+    }
+    for (int64_t q = 0; q < Q; q++) {
+        const float *c = acc + q * 4 * hd;
+        for (int64_t d = 0; d < hd; d++) o[d] = (c[d] + c[hd + d]) + (c[2 * hd + d] + c[3 * hd + d]);
+        const int64_t row = i * T + t0 + q / g, h = kh * g + q % g;
+        gated_(o, J->qkv + row * J->qkv_row + h * 2 * hd + hd, hd, J->out + row * nh * hd + h * hd);
+    }
+#undef QROW_
+#undef NKEYS_
+    free(P);
 }
 
 int nextn_attn_step_f32(int64_t N, int64_t T, const float *qkv, int64_t qkv_row, const float *qw1,
@@ -225,13 +324,32 @@ int nextn_attn_step_f32(int64_t N, int64_t T, const float *qkv, int64_t qkv_row,
     int64_t smax = 0;
     for (int64_t i = 0; i < N; i++) smax = pos0[i] + T > smax ? pos0[i] + T : smax;
     attn_job_ j = {T, qkv_row, R, by_pos != 0, cache_slot, nh, nkv, hd, qkv, qw1, kw1, cos, sin, kc, vc, out, eps,
-                   scale, slots, pos0, 0};
-    nextn_par_(attn_row_, &j, N, N * T * nh * hd * 2 * smax);  /* rows are independent (distinct pool slots) */
+                   scale, slots, pos0, 0, NULL};
+    if (T < BLOCKED_MIN_T) {  /* a step: each row's tokens in order (rows are independent: distinct pool slots) */
+        nextn_par_(attn_row_, &j, N, N * T * nh * hd * 2 * smax);
+        return j.err;
+    }
+    j.qbuf = malloc(sizeof(float) * (size_t)(N * T * nh * hd));
+    if (!j.qbuf) return 2;
+    nextn_par_(attn_prep_, &j, N * T, N * T * (nh + nkv) * hd * 4);
+    const int64_t nb = (T + TOK_BLOCK - 1) / TOK_BLOCK;
+    nextn_par_(attn_block_, &j, N * nkv * nb, N * T * nh * hd * 2 * smax);
+    free(j.qbuf);
     return j.err;
 }
 
 int nextn_rms_norm_f32(int64_t rows, int64_t H, const float *x, int64_t ldx, const float *w1, float eps,
                        float *y) {
     for (int64_t i = 0; i < rows; i++) rms_(x + i * ldx, w1, eps, H, y + i * H);
+    return 0;
+}
+
+/* y[i] = 1 / (1 + e^-x[i]), i < n, with cpu_vec.h's exp: the same operations for every element wherever it sits
+ * (the tail as one padded vector), so an element's bits do not depend on n or its index (torch's sigmoid rounds
+ * its vectorised body and its scalar tail differently) */
+int nextn_sigmoid_f32(int64_t n, const float *x, float *y) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) st8_(y + i, 1.0f / (1.0f + exp8_(-ld8_(x + i))));
+    if (i < n) stn_(y + i, 1.0f / (1.0f + exp8_(-ldn_(x + i, n - i, 0.0f))), n - i);
     return 0;
 }

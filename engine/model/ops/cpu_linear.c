@@ -2,11 +2,17 @@
  * (engine/model/ops/cpu.py builds and calls them; their torch twins are F.linear and MLP's torch path in
  * engine/model/moe.py).
  *
- * Every output element y[m, n] is the same computation wherever it sits in the launch: eight AVX2 lanes, lane l
+ * Every output element y[m, n] is the same computation wherever it sits in the launch: eight lanes, lane l
  * accumulating x[m, k] * W[n, k] for k = l mod 8 in ascending k with fused multiply-adds, then the fixed tree
  * ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)). The tiles below (1 x 8, 4 x 3 and their remainders) only
  * choose which elements are computed together, never the order of a sum, so a row's bits do not depend on how many
  * rows the launch has: verify (K+1 rows per session), plain decode (1) and any batch agree bitwise.
+ *
+ * The tiles are written once over an eight-lane accumulator type (acc8_, below): on x86 an AVX2 register with
+ * _mm256_fmadd_ps; in the portable build (any other CPU, or -DNEXTN_PORTABLE: cpu_arch.h) two four-lane vectors
+ * with C99 fmaf in each lane, which is the same exactly rounded fused multiply-add, so both give the same bits
+ * (tests/test_ops_cpu_portable.py compares them). GCC turns the portable lanes into vector FMAs where the target
+ * has them (fmla on aarch64).
  *
  * On a CPU with AVX-512 the tiles of two or more rows run on 16-lane registers (tile16_): rows are packed in pairs
  * so that one register holds row 2p's eight lanes and row 2p+1's side by side, against a W chunk broadcast to both
@@ -17,16 +23,21 @@
  * (hsums8_: the same additions of the same operands, lanes side by side) and stored as two rows of eight; the last
  * columns (fewer than 8) take 4 pairs x 3 columns (tile16_), each tree on its own.
  *
- * The code needs AVX2 and FMA (nextn_linear_ok() says whether this CPU has them; K must be a multiple of 8):
- * otherwise the caller keeps torch's GEMM.
+ * The code needs a hardware FMA (nextn_linear_ok() says whether it runs: AVX2 + FMA on x86; in the portable build
+ * a target whose fmaf is one instruction, as on aarch64) and K a multiple of 8: otherwise the caller keeps torch's
+ * GEMM. A software fmaf (glibc's, on x86 without FMA) made this GEMM cost ~70 ns a multiply-add (measured with
+ * glibc's FMA code switched off), hundreds of times torch's.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <immintrin.h>
 
+#include "cpu_arch.h"
 #include "cpu_par.h"
 #include "cpu_vec.h"
+
+#if NEXTN_X86
+#include <immintrin.h>
 
 #define TGT __attribute__((target("avx2,fma")))
 #define TGT16 __attribute__((target("avx512f,avx2,fma")))
@@ -35,16 +46,41 @@ int nextn_linear_ok(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
+#else
+#define TGT
+
+int nextn_linear_ok(void) {
+#if defined(__FP_FAST_FMAF) || defined(__aarch64__)
+    return 1;  /* fmaf is one instruction (AArch64 has FMA in its base ISA, whatever the compiler says) */
+#else
+    return 0;  /* fmaf would be a software routine */
+#endif
+}
+#endif
+
+/* 1 when this library was built from the portable code (cpu_arch.h), 0 for the x86 build */
+int nextn_portable(void) { return !NEXTN_X86; }
 
 static int wide_ = 0;  /* the 16-lane tiles run (nextn_linear_set_wide) */
 
 /* Use the 16-lane tiles when `on` and this CPU has AVX-512F (and AVX2 + FMA); returns whether they are now used.
- * Either way every output has the same bits: only the speed changes. */
+ * Either way every output has the same bits: only the speed changes. The portable build has none. */
 int nextn_linear_set_wide(int on) {
+#if NEXTN_AVX512
     __builtin_cpu_init();
     wide_ = on && nextn_linear_ok() && __builtin_cpu_supports("avx512f");
+#else
+    (void)on;
+#endif
     return wide_;
 }
+
+#if NEXTN_X86
+typedef __m256 acc8_;  /* eight lanes of partial sums */
+#define ZERO8_() _mm256_setzero_ps()
+#define LOAD8_(p) _mm256_loadu_ps(p)
+#define FMA8_(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define HSUM8_(a) hsum256_(a)
 
 TGT static inline float hsum256_(__m256 a) {
     const __m128 lo = _mm256_castps256_ps128(a), hi = _mm256_extractf128_ps(a, 1);
@@ -52,6 +88,38 @@ TGT static inline float hsum256_(__m256 a) {
     const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));   /* (l0+l4)+(l2+l6), (l1+l5)+(l3+l7) */
     return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
 }
+#else
+/* Eight lanes as two four-lane vectors (lanes 0-3, 4-7): a 16-byte vector is a register on every SIMD target
+ * (NEON, SSE), where GCC (12, aarch64) keeps cpu_vec.h's 32-byte v8 in memory; and an accumulator is never read
+ * lane by lane inside a loop, so the lanes' fmaf become vector FMAs (fmla) instead of scalar code. */
+typedef float v4_ __attribute__((vector_size(16)));
+typedef float v4u_ __attribute__((vector_size(16), aligned(4), may_alias));  /* an unaligned load */
+typedef struct { v4_ lo, hi; } acc8_;
+
+static inline acc8_ zero8_(void) { return (acc8_){{0, 0, 0, 0}, {0, 0, 0, 0}}; }
+
+static inline acc8_ load8_(const float *p) { return (acc8_){*(const v4u_ *)p, *(const v4u_ *)(p + 4)}; }
+
+/* a * b + c per lane, each rounded once (C99 fmaf: what _mm256_fmadd_ps computes in each lane) */
+static inline v4_ fma4_(v4_ a, v4_ b, v4_ c) {
+    return (v4_){fmaf(a[0], b[0], c[0]), fmaf(a[1], b[1], c[1]), fmaf(a[2], b[2], c[2]), fmaf(a[3], b[3], c[3])};
+}
+
+static inline acc8_ fma8_(acc8_ a, acc8_ b, acc8_ c) {
+    return (acc8_){fma4_(a.lo, b.lo, c.lo), fma4_(a.hi, b.hi, c.hi)};
+}
+
+/* hsum256_'s tree: s_i = l_i + l_(i+4), then (s0 + s2) + (s1 + s3) */
+static inline float hsum_acc8_(acc8_ a) {
+    const v4_ s = a.lo + a.hi;
+    return (s[0] + s[2]) + (s[1] + s[3]);
+}
+
+#define ZERO8_() zero8_()
+#define LOAD8_(p) load8_(p)
+#define FMA8_(a, b, c) fma8_(a, b, c)
+#define HSUM8_(a) hsum_acc8_(a)
+#endif
 
 /* y[i, j] (i < MR <= 4, j < NR <= 3) for x rows ldx apart and W rows ldw apart; y rows ldy apart */
 TGT static void tile_(int64_t MR, int64_t NR, int64_t K, const float *x, int64_t ldx, const float *W, int64_t ldw,
@@ -59,40 +127,41 @@ TGT static void tile_(int64_t MR, int64_t NR, int64_t K, const float *x, int64_t
     if (MR == 4 && NR == 3) {
         const float *w0 = W, *w1 = W + ldw, *w2 = W + 2 * ldw;
         const float *x0 = x, *x1 = x + ldx, *x2 = x + 2 * ldx, *x3 = x + 3 * ldx;
-        __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a10 = a00, a11 = a00, a12 = a00;
-        __m256 a20 = a00, a21 = a00, a22 = a00, a30 = a00, a31 = a00, a32 = a00;
+        acc8_ a00 = ZERO8_(), a01 = a00, a02 = a00, a10 = a00, a11 = a00, a12 = a00;
+        acc8_ a20 = a00, a21 = a00, a22 = a00, a30 = a00, a31 = a00, a32 = a00;
         for (int64_t k = 0; k < K; k += 8) {
-            const __m256 b0 = _mm256_loadu_ps(w0 + k), b1 = _mm256_loadu_ps(w1 + k), b2 = _mm256_loadu_ps(w2 + k);
-            __m256 v = _mm256_loadu_ps(x0 + k);
-            a00 = _mm256_fmadd_ps(v, b0, a00); a01 = _mm256_fmadd_ps(v, b1, a01); a02 = _mm256_fmadd_ps(v, b2, a02);
-            v = _mm256_loadu_ps(x1 + k);
-            a10 = _mm256_fmadd_ps(v, b0, a10); a11 = _mm256_fmadd_ps(v, b1, a11); a12 = _mm256_fmadd_ps(v, b2, a12);
-            v = _mm256_loadu_ps(x2 + k);
-            a20 = _mm256_fmadd_ps(v, b0, a20); a21 = _mm256_fmadd_ps(v, b1, a21); a22 = _mm256_fmadd_ps(v, b2, a22);
-            v = _mm256_loadu_ps(x3 + k);
-            a30 = _mm256_fmadd_ps(v, b0, a30); a31 = _mm256_fmadd_ps(v, b1, a31); a32 = _mm256_fmadd_ps(v, b2, a32);
+            const acc8_ b0 = LOAD8_(w0 + k), b1 = LOAD8_(w1 + k), b2 = LOAD8_(w2 + k);
+            acc8_ v = LOAD8_(x0 + k);
+            a00 = FMA8_(v, b0, a00); a01 = FMA8_(v, b1, a01); a02 = FMA8_(v, b2, a02);
+            v = LOAD8_(x1 + k);
+            a10 = FMA8_(v, b0, a10); a11 = FMA8_(v, b1, a11); a12 = FMA8_(v, b2, a12);
+            v = LOAD8_(x2 + k);
+            a20 = FMA8_(v, b0, a20); a21 = FMA8_(v, b1, a21); a22 = FMA8_(v, b2, a22);
+            v = LOAD8_(x3 + k);
+            a30 = FMA8_(v, b0, a30); a31 = FMA8_(v, b1, a31); a32 = FMA8_(v, b2, a32);
         }
-        y[0] = hsum256_(a00); y[1] = hsum256_(a01); y[2] = hsum256_(a02);
-        y += ldy; y[0] = hsum256_(a10); y[1] = hsum256_(a11); y[2] = hsum256_(a12);
-        y += ldy; y[0] = hsum256_(a20); y[1] = hsum256_(a21); y[2] = hsum256_(a22);
-        y += ldy; y[0] = hsum256_(a30); y[1] = hsum256_(a31); y[2] = hsum256_(a32);
+        y[0] = HSUM8_(a00); y[1] = HSUM8_(a01); y[2] = HSUM8_(a02);
+        y += ldy; y[0] = HSUM8_(a10); y[1] = HSUM8_(a11); y[2] = HSUM8_(a12);
+        y += ldy; y[0] = HSUM8_(a20); y[1] = HSUM8_(a21); y[2] = HSUM8_(a22);
+        y += ldy; y[0] = HSUM8_(a30); y[1] = HSUM8_(a31); y[2] = HSUM8_(a32);
         return;
     }
-    __m256 acc[4][3];
+    acc8_ acc[4][3];
     for (int i = 0; i < 4; i++)
-        for (int j = 0; j < 3; j++) acc[i][j] = _mm256_setzero_ps();
+        for (int j = 0; j < 3; j++) acc[i][j] = ZERO8_();
     for (int64_t k = 0; k < K; k += 8) {
-        __m256 b[3];
-        for (int64_t j = 0; j < NR; j++) b[j] = _mm256_loadu_ps(W + j * ldw + k);
+        acc8_ b[3];
+        for (int64_t j = 0; j < NR; j++) b[j] = LOAD8_(W + j * ldw + k);
         for (int64_t i = 0; i < MR; i++) {
-            const __m256 v = _mm256_loadu_ps(x + i * ldx + k);
-            for (int64_t j = 0; j < NR; j++) acc[i][j] = _mm256_fmadd_ps(v, b[j], acc[i][j]);
+            const acc8_ v = LOAD8_(x + i * ldx + k);
+            for (int64_t j = 0; j < NR; j++) acc[i][j] = FMA8_(v, b[j], acc[i][j]);
         }
     }
     for (int64_t i = 0; i < MR; i++)
-        for (int64_t j = 0; j < NR; j++) y[i * ldy + j] = hsum256_(acc[i][j]);
+        for (int64_t j = 0; j < NR; j++) y[i * ldy + j] = HSUM8_(acc[i][j]);
 }
 
+#if NEXTN_AVX512
 /* hsum256_ of both eight-lane halves of a 16-lane accumulator at once (rows 2p and 2p + 1 of a pair), the same
  * tree: xi = li + l(i+4), then (x0 + x2) + (x1 + x3); the low half's sum to *y0, the high half's to *y1 unless
  * y1 is NULL */
@@ -221,26 +290,27 @@ static float *pack_pairs_(int64_t M, int64_t K, const float *x, int64_t ldx) {
     }
     return xp;
 }
+#endif /* NEXTN_AVX512 */
 
 /* one row: eight W rows at a time */
 TGT static void row_(int64_t N, int64_t K, const float *x, const float *W, int64_t ldw, float *y) {
     int64_t n = 0;
     for (; n + 8 <= N; n += 8) {
         const float *w = W + n * ldw;
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+        acc8_ a0 = ZERO8_(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
         for (int64_t k = 0; k < K; k += 8) {
-            const __m256 v = _mm256_loadu_ps(x + k);
-            a0 = _mm256_fmadd_ps(v, _mm256_loadu_ps(w + k), a0);
-            a1 = _mm256_fmadd_ps(v, _mm256_loadu_ps(w + ldw + k), a1);
-            a2 = _mm256_fmadd_ps(v, _mm256_loadu_ps(w + 2 * ldw + k), a2);
-            a3 = _mm256_fmadd_ps(v, _mm256_loadu_ps(w + 3 * ldw + k), a3);
-            a4 = _mm256_fmadd_ps(v, _mm256_loadu_ps(w + 4 * ldw + k), a4);
-            a5 = _mm256_fmadd_ps(v, _mm256_loadu_ps(w + 5 * ldw + k), a5);
-            a6 = _mm256_fmadd_ps(v, _mm256_loadu_ps(w + 6 * ldw + k), a6);
-            a7 = _mm256_fmadd_ps(v, _mm256_loadu_ps(w + 7 * ldw + k), a7);
+            const acc8_ v = LOAD8_(x + k);
+            a0 = FMA8_(v, LOAD8_(w + k), a0);
+            a1 = FMA8_(v, LOAD8_(w + ldw + k), a1);
+            a2 = FMA8_(v, LOAD8_(w + 2 * ldw + k), a2);
+            a3 = FMA8_(v, LOAD8_(w + 3 * ldw + k), a3);
+            a4 = FMA8_(v, LOAD8_(w + 4 * ldw + k), a4);
+            a5 = FMA8_(v, LOAD8_(w + 5 * ldw + k), a5);
+            a6 = FMA8_(v, LOAD8_(w + 6 * ldw + k), a6);
+            a7 = FMA8_(v, LOAD8_(w + 7 * ldw + k), a7);
         }
-        y[n] = hsum256_(a0); y[n + 1] = hsum256_(a1); y[n + 2] = hsum256_(a2); y[n + 3] = hsum256_(a3);
-        y[n + 4] = hsum256_(a4); y[n + 5] = hsum256_(a5); y[n + 6] = hsum256_(a6); y[n + 7] = hsum256_(a7);
+        y[n] = HSUM8_(a0); y[n + 1] = HSUM8_(a1); y[n + 2] = HSUM8_(a2); y[n + 3] = HSUM8_(a3);
+        y[n + 4] = HSUM8_(a4); y[n + 5] = HSUM8_(a5); y[n + 6] = HSUM8_(a6); y[n + 7] = HSUM8_(a7);
     }
     for (; n < N; n += 3) tile_(1, N - n < 3 ? N - n : 3, K, x, 0, W + n * ldw, ldw, y + n, 0);
 }
@@ -252,6 +322,7 @@ TGT static void gemm_cols_(int64_t M, int64_t N, int64_t K, const float *x, int6
         row_(n1 - n0, K, x, W + n0 * K, K, y + n0);
         return;
     }
+#if NEXTN_AVX512
     if (xp) {  /* as below: tiles of 4 rows (2 pairs) x 8 columns, then the last columns (fewer than 8) in tiles
                 * of 8 rows x 3 columns, their last one or two in the 8-lane tiles (the same sums) */
         const int64_t mb = (16384 / (4 * K)) & ~(int64_t)7 ? (16384 / (4 * K)) & ~(int64_t)7 : 8;
@@ -270,6 +341,9 @@ TGT static void gemm_cols_(int64_t M, int64_t N, int64_t K, const float *x, int6
         }
         return;
     }
+#else
+    (void)xp;  /* never packed */
+#endif
     /* blocks of x's rows small enough to stay in L1 (~16 KB) while the columns' W rows pass, 3 at a time, each
      * staying in L1 while the block's rows do */
     const int64_t mb = 16384 / (4 * K) >= 8 ? (16384 / (4 * K)) & ~(int64_t)3 : 4;
@@ -301,9 +375,14 @@ static void gemm_item_(void *arg, int64_t b) {
 /* x packed for the 16-lane tiles when they run and M > 1 (*xp NULL otherwise); 0, or 2 when out of memory */
 static int maybe_pack_(int64_t M, int64_t K, const float *x, int64_t ldx, float **xp) {
     *xp = NULL;
+#if NEXTN_AVX512
     if (!wide_ || M < 2) return 0;
     *xp = pack_pairs_(M, K, x, ldx);
     return *xp ? 0 : 2;
+#else
+    (void)M, (void)K, (void)x, (void)ldx;
+    return 0;
+#endif
 }
 
 /* y = x W^T over both threads (cpu_par.c) when the job is large enough: column blocks, each computed as above */

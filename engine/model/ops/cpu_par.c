@@ -9,8 +9,8 @@
  * count) is written and read under a mutex. Between jobs the helper spins for SPIN_NS (a step forward issues its
  * kernels tens of microseconds apart), then sleeps on a condition variable.
  *
- * The helper computes each job under the caller's floating-point environment (MXCSR on x86: flush-to-zero and
- * denormals-are-zero change results), so an item's bits never depend on the thread that took it.
+ * The helper computes each job under the caller's floating-point environment (MXCSR on x86, <fenv.h>'s elsewhere:
+ * flush-to-zero and denormals-are-zero change results), so an item's bits never depend on the thread that took it.
  *
  * `nextn_set_threads(1)` (the default) keeps every kernel on the calling thread. A second caller that finds the
  * helper in use runs its whole job itself. A child forked from a process with a helper starts without one
@@ -19,7 +19,11 @@
 #include <stdatomic.h>
 #include <stdint.h>
 #include <time.h>
-#if defined(__x86_64__) || defined(__i386__)
+
+#include "cpu_arch.h"
+#include "cpu_par.h"
+
+#if NEXTN_X86
 #include <xmmintrin.h>
 typedef unsigned int fpenv_;  /* MXCSR: rounding, flush-to-zero, denormals-are-zero */
 static inline fpenv_ fpenv_get_(void) { return _mm_getcsr(); }
@@ -30,8 +34,6 @@ typedef fenv_t fpenv_;
 static inline fpenv_ fpenv_get_(void) { fenv_t e; fegetenv(&e); return e; }
 static inline void fpenv_set_(fpenv_ e) { fesetenv(&e); }
 #endif
-
-#include "cpu_par.h"
 
 #define SPIN_NS 150000   /* how long an idle thread polls before it sleeps */
 #define MAX_ITEMS 0xffff  /* lo and hi are 16 bits each */
@@ -59,8 +61,10 @@ static int64_t now_ns_(void) {
 }
 
 static inline void relax_(void) {
-#if defined(__x86_64__) || defined(__i386__)
+#if NEXTN_X86
     __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
 #endif
 }
 

@@ -1,5 +1,6 @@
 /* nextn CPU kernels: eight-lane float vectors (GCC vector extensions: AVX when built with -mavx2, two SSE halves
- * otherwise; the same IEEE operations either way) and the lane-wise exp every kernel shares. */
+ * otherwise, two NEON halves on aarch64; the same IEEE operations either way) and the lane-wise exp every kernel
+ * shares. */
 #ifndef NEXTN_CPU_VEC_H
 #define NEXTN_CPU_VEC_H
 

@@ -1,0 +1,109 @@
+"""Prompt prefill on the fixed grid: the forwards that run joining sessions' prompt blocks, and whether one forward
+may carry several rows.
+
+A prompt is prefilled in grid blocks (`engine.cache.PREFILL_GRID`): a block starts where the session's cache ends
+and stops at the next multiple of the grid (absolute positions) or at the prompt's end, so where a prompt's chunks
+split never depends on the token budget, the batch or K. What a block computes must not depend on the batch either:
+
+  * on a CPU with the C kernels (fp32, the GEMM built; MoE experts too) every op of the forward is row-wise with a fixed
+    order of sums (engine/model/ops/cpu.py), so one forward may carry the next block of several sessions
+    (right-padded) and a block's bits are what its row alone computes: `packs_rows` is True. The same kernels run the
+    decode and verify steps, so a state reached by decoding is bitwise the state a prefill of the same tokens
+    reaches (`steps_match_prefill`): the prefix cache may then keep blocks that generated tokens completed;
+  * elsewhere (the torch path: a GEMM whose rounding follows the row count, SDPA over padded rows; the GPU's
+    prefill until its kernels are batch-invariant) each forward carries one block of one session,
+    whose shape depends on the block alone, so its bits are the same whatever else runs.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .model.ops import cpu
+from .model.ops import dispatch as ops
+from .model.qwen35 import FwdCtx, Qwen35ForCausalLM
+from .spec import _queued_mtp_rows
+
+if TYPE_CHECKING:
+    from .spec import SpecSession
+
+
+def packs_rows(model: Qwen35ForCausalLM) -> bool:
+    """Whether every op of this model's prefill forward is row-wise (see the module docstring): one forward may then
+    carry several sessions' blocks, and decode steps reach the states a prefill reaches, bit for bit."""
+    w = model.lm_head.weight
+    cfg = model.config
+    return (w.device.type == "cpu" and w.dtype == torch.float32 and not ops.use_triton(w) and cpu.available()
+            and cpu.gemm_takes(w[:1], w) and 2 <= cfg.linear_conv_kernel_dim <= 16
+            and all(p.shape[-1] % 8 == 0 and p.is_contiguous() for n, p in model.named_parameters()
+                    if p.dim() >= 2 and not n.endswith(("embed_tokens.weight", "conv1d.weight")))
+            and (not cfg.is_moe or cfg.moe_intermediate_size % 8 == 0))
+
+
+steps_match_prefill = packs_rows
+
+
+@torch.inference_mode()
+def prefill_rows(model: Qwen35ForCausalLM, rows: list[SpecSession]) -> None:
+    """Prefill the next grid block (`SpecSession.next_chunk`) of every row's queued prompt in ONE trunk forward,
+    then each row's host side as `SpecSession.prefill_chunk` does. Rows are right-padded to the longest block: the
+    padding's K/V land past the row's length (overwritten later) and its GDN tokens leave the state unchanged
+    (`FwdCtx` lens), so each row ends in the state of its own tokens. The caller checks that every row's
+    cache.length + longest block fits the pool's capacity, and that the forward's rows are independent
+    (`packs_rows`, or one row). A row whose block does not fit its cache or whose host side fails is failed
+    alone; a failing forward raises (every row is then in doubt)."""
+    chunks: list[list[int]] = []
+    live: list[SpecSession] = []
+    for r in rows:
+        try:
+            chunks.append(r.next_chunk())
+            live.append(r)
+        except Exception as e:  # noqa: BLE001 - a prompt that does not fit fails its own request
+            r.fail(e)
+    if not live:
+        return
+    T = max(len(c) for c in chunks)
+    r0 = live[0]
+    x = torch.tensor([c + [0] * (T - len(c)) for c in chunks], device=r0.device)  # [N, T]
+    cur = [r.cache.cur for r in live]
+    ctx = FwdCtx.make(model.config, r0.device, r0.dtype, [r.slot for r in live], [r.cache.length for r in live],
+                      cur, cur, T, False, lens=[len(c) for c in chunks])
+    pre = model.forward_step(x, ctx, r0.pool)  # [N, T, H]
+    ok = []
+    for i, r in enumerate(live):
+        try:
+            r.prefilled(chunks[i], pre[i, :len(chunks[i])], ctx, flush_mtp=False)
+            ok.append(r)
+        except Exception as e:  # noqa: BLE001 - one row's host side (its logprobs, ...) fails that row
+            r.fail(e)
+    try:
+        flush_mtp_rows(model, ok)
+    except Exception as e:  # noqa: BLE001 - the batched head forward failed: its rows are in doubt
+        for r in ok:
+            r.fail(e)
+        ok = []
+    for r in ok:
+        try:
+            r.choose_first()
+        except Exception as e:  # noqa: BLE001 - one row's choice (its grammar) fails that row
+            r.fail(e)
+
+
+def flush_mtp_rows(model: Qwen35ForCausalLM, rows: list[SpecSession]) -> None:
+    """Write every row's queued MTP rows into its scratch in ONE head forward, rows right-padded (the padding's K/V
+    land past each row's scratch length and are overwritten later). Rows of sessions that prefill alone or
+    finish go through here too (a row's rows are final once their next token is known)."""
+    rows = [r for r in rows if r._mtp_tokens]
+    if len(rows) <= 1:
+        for r in rows:
+            r._flush_mtp()
+        return
+    toks, hid, n = _queued_mtp_rows(rows)  # [A, Tm], [A, Tm, H]
+    r0, sc = rows[0], [r.scratch for r in rows]
+    ctx = FwdCtx.make(model.config, r0.device, r0.dtype, [s.slot for s in sc], [s.length for s in sc],
+                      [0] * len(rows), [0] * len(rows), toks.shape[1], False)
+    model.mtp_forward(toks, hid, ctx, r0.pool.mtp)  # [A, Tm, H]: only the K/V it writes is used
+    for r, k in zip(rows, n):
+        r.scratch.set_len(r.scratch.length + k)
+        r._mtp_tokens, r._mtp_hidden = [], None

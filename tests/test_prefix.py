@@ -1,0 +1,457 @@
+"""Prefill on the fixed grid and the exact prefix cache (engine/prefill.py, engine/scheduler.py, engine/cache.py).
+
+The contract: a request's logits are bitwise the same alone, under any load, at any K, and with or without a
+prefix-cache hit. Checked here on the C path (fp32 CPU, every op row-wise: every logit row the request's tokens
+were chosen from, prompt logprobs included) for the demo model and a random tiny model, with prompts from 1 token to
+3 grid blocks plus a tail and past 2,000 tokens, prefixes ending on and off the grid, budgets that leave 1..G tokens
+next to 7 rows decoding at K = 3, and K = 0..8. On the torch path (the C kernels off) a decode step's GEMM rounds
+with the batch (bench/RESULTS.md), so there the promise is the prefill's: the state the prompt leaves and the first
+token's logits, alone, under load and from the cache. Then the cache itself: keys, eviction, cancellation, two
+sessions on one new prefix, and the cache off.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.cache import PREFILL_GRID as G
+from engine.cache import GdnPool, KVPool, PrefixCache, StatePool, block_keys
+from engine.loader import load_model
+from engine.model.ops import cpu
+from engine.prefill import packs_rows
+from engine.scheduler import Scheduler
+from engine.spec import SpecSession
+from tests.tiny import make_checkpoint
+
+DEMO = Path(__file__).resolve().parents[1] / "models" / "demo"
+MB = 1 << 20
+
+
+class Rows(SpecSession):
+    """A session that keeps the raw logit row each emitted token was chosen from (test-only: a subclass)."""
+
+    def _emit(self, toks, rows):
+        self.rows = getattr(self, "rows", []) + [r.clone() for r in rows[:len(toks)]]
+        super()._emit(toks, rows)
+
+
+@pytest.fixture(scope="module", params=["demo", "tiny"])
+def model(request, tmp_path_factory):
+    if request.param == "demo":
+        return load_model(DEMO)
+    return load_model(make_checkpoint(tmp_path_factory.mktemp("prefix"), seed=7, with_tokenizer=False,
+                                      max_position_embeddings=4096))
+
+
+def _prompt(V: int, n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, V - 64, (n,), generator=g).tolist()
+
+
+def _run(sched: Scheduler, joins: dict[int, list[SpecSession]], stop: int = 5000) -> None:
+    step = 0
+    while joins or sched.num_sessions:
+        for s in joins.pop(step, []):
+            sched.add(s)
+        sched.step()
+        step += 1
+        assert step < stop
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor], what: str) -> None:
+    assert len(a) == len(b), what
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert torch.equal(x, y), f"{what}: logit row {i} differs by {(x - y).abs().max().item():.3g}"
+
+
+def _alone(model, prompt, n_new, k=3, **kw) -> Rows:
+    s = Rows(model, prompt, n_new, k=k, **kw)
+    s.run()
+    return s
+
+
+def _sched(model, *, budget=512, cache_mb=0, seqs=8, max_len=2600, k=3) -> Scheduler:
+    return Scheduler(model, max_num_seqs=seqs, max_model_len=max_len, k=k, max_num_batched_tokens=budget,
+                     prefix_cache_bytes=cache_mb * MB)
+
+
+def _under_load(model, sched: Scheduler, target: SpecSession, n: int = 7, until_prefilled: bool = False) -> None:
+    """Run `target` after n rows (K = 3) have started decoding; they keep decoding while it prefills."""
+    V = model.config.vocab_size
+    for i in range(n):
+        sched.add(SpecSession(model, _prompt(V, 5 + 3 * i, 100 + i), 80, k=3, pool=sched.pool))
+    while len(sched.running) < n:
+        sched.step()
+    sched.add(target)
+    while target.prefilling:
+        sched.step()
+    assert len(sched.running) == n + 1 or target.finished
+    if not until_prefilled:
+        _run(sched, {})
+
+
+def test_the_c_path_packs_rows(model):
+    assert packs_rows(model)
+
+
+def test_a_prompt_prefills_in_grid_blocks_whatever_the_budget(model):
+    """Each forward of a joining prompt starts where its cache ends and stops on the grid (or at the prompt's end),
+    and a step runs whole blocks: the budget only says how many."""
+    V = model.config.vocab_size
+    prompt = _prompt(V, 3 * G + 70, 1)
+    for budget in (1, 40, G + 5, 3 * G):
+        sched = _sched(model, budget=budget)
+        s = SpecSession(model, prompt, 2, k=3, pool=sched.pool)
+        sched.add(s)
+        ends = []
+        while s.prefilling:
+            sched.step()
+            ends.append(s.cache.length)
+        per_step = max(1, budget // G)
+        expect = [min(len(prompt), G * per_step * (i + 1)) for i in range(len(ends))]
+        assert ends == expect, (budget, ends)
+
+
+@pytest.mark.parametrize("n", [1, 2, G - 1, G, G + 1, 2 * G + 37, 3 * G + 101])
+def test_logits_alone_at_any_k_and_under_load_are_the_same_bits(model, n):
+    """One request's logit rows (prompt logprobs' rows included) alone at K = 3 == alone at K = 0..8 == joining 7
+    rows that decode at K = 3 with a budget that leaves it 1..G tokens."""
+    V = model.config.vocab_size
+    prompt = _prompt(V, n, n)
+    ref = _alone(model, prompt, 12, prompt_logprobs=2)
+    for k in (0, 1, 5, 8):
+        s = _alone(model, prompt, 12, k=k, capmax=8, prompt_logprobs=2)
+        _same(s.rows, ref.rows, f"K={k}")
+        assert s.prompt_logprobs == ref.prompt_logprobs
+    for left in (1, 37, G - 1, G):
+        sched = _sched(model, budget=7 * 4 + left)  # 7 rows x (K + 1) verify tokens, then `left` for the prompt
+        s = Rows(model, prompt, 12, k=3, pool=sched.pool, prompt_logprobs=2)
+        _under_load(model, sched, s)
+        _same(s.rows, ref.rows, f"under load, {left} tokens left")
+        assert s.prompt_logprobs == ref.prompt_logprobs
+
+
+def test_every_k_from_0_to_8_and_a_cache_hit_at_each(model):
+    """K = 0..8: the same logit rows alone, and resumed from a cache that a K = 3 session filled."""
+    V = model.config.vocab_size
+    prompt = _prompt(V, 2 * G + 37, 77)
+    ref = _alone(model, prompt, 12, k=0)
+    sched = Scheduler(model, max_num_seqs=2, max_model_len=1024, k=8, max_num_batched_tokens=512,
+                      prefix_cache_bytes=64 * MB)
+    _run(sched, {0: [SpecSession(model, prompt, 2, k=3, capmax=8, pool=sched.pool)]})
+    for k in range(9):
+        _same(_alone(model, prompt, 12, k=k, capmax=8).rows, ref.rows, f"K={k} alone")
+        hit = Rows(model, prompt, 12, k=k, capmax=8, pool=sched.pool)
+        _run(sched, {0: [hit]})
+        assert hit.cached_tokens == 2 * G
+        _same(hit.rows, ref.rows, f"K={k} from the cache")
+
+
+def test_a_long_prompt_past_2000_tokens(model):
+    V = model.config.vocab_size
+    prompt = _prompt(V, 2031, 5)
+    ref = _alone(model, prompt, 6)
+    sched = _sched(model, budget=300, cache_mb=64)
+    s = Rows(model, prompt, 6, k=3, pool=sched.pool)
+    _under_load(model, sched, s, n=3)
+    _same(s.rows, ref.rows, "2031 tokens under load")
+    hit = Rows(model, prompt, 6, k=3, pool=sched.pool)
+    _run(sched, {0: [hit]})
+    assert hit.cached_tokens == 7 * G
+    _same(hit.rows, ref.rows, "2031 tokens from the cache")
+
+
+@pytest.mark.parametrize("shared", [G, 2 * G, 2 * G + 37, 3 * G - 1])
+def test_a_prefix_cache_hit_gives_a_miss_bits(model, shared):
+    """A prompt sharing `shared` tokens with an earlier one resumes from the last grid boundary inside them (and
+    never past its own last token); its logits and prompt-free state equal a cold run's, at K = 0 and 3."""
+    V = model.config.vocab_size
+    first = _prompt(V, shared + 50, 11)
+    second = first[:shared] + _prompt(V, 90, 12)
+    for k in (0, 3):
+        ref = _alone(model, second, 10, k=k)
+        sched = _sched(model, cache_mb=64, k=k)
+        a = SpecSession(model, first, 4, k=k, pool=sched.pool)
+        _run(sched, {0: [a]})
+        b = Rows(model, second, 10, k=k, pool=sched.pool)
+        _run(sched, {0: [b]})
+        assert b.cached_tokens == (shared // G) * G and b.prefill_tokens == len(second) - b.cached_tokens
+        _same(b.rows, ref.rows, f"hit at {b.cached_tokens}, K={k}")
+        assert b.telem == ref.telem, "the MTP head's cached rows are a miss's too (same drafts)"
+
+
+def test_a_conversation_hits_through_the_previous_answer(model):
+    """Turn 2's prompt = turn 1's prompt + its answer + new tokens: it resumes past the answer's grid boundaries
+    (blocks that decode steps completed, kept because the C path's decode reaches a prefill's states) with the
+    bits of a cold prefill of the whole turn."""
+    V = model.config.vocab_size
+    sched = _sched(model, cache_mb=64)
+    turn1 = _prompt(V, G + 100, 21)
+    a = SpecSession(model, turn1, 300, k=3, pool=sched.pool)
+    _run(sched, {0: [a]})
+    seq = turn1 + a.emitted
+    turn2 = seq + _prompt(V, 40, 22)
+    ref = _alone(model, turn2, 10)
+    b = Rows(model, turn2, 10, k=3, pool=sched.pool)
+    _run(sched, {0: [b]})
+    assert b.cached_tokens == ((len(seq) - 1) // G) * G and b.cached_tokens > len(turn1)
+    _same(b.rows, ref.rows, "turn 2 from the cache")
+    assert b.telem == ref.telem
+
+
+def test_cancelled_mid_prefill_leaves_the_cache_consistent(model):
+    V = model.config.vocab_size
+    prompt = _prompt(V, 3 * G + 20, 31)
+    ref = _alone(model, prompt, 8)
+    sched = _sched(model, budget=G, cache_mb=64)
+    s = SpecSession(model, prompt, 8, k=3, pool=sched.pool)
+    sched.add(s)
+    sched.step()
+    sched.step()
+    assert s.prefilling and s.cache.length == 2 * G
+    sched.remove(s)
+    assert sched.pool.num_free == sched.pool.slots and sched.cache.stats.blocks == 2
+    again = Rows(model, prompt, 8, k=3, pool=sched.pool)
+    _run(sched, {0: [again]})
+    assert again.cached_tokens == 2 * G
+    _same(again.rows, ref.rows, "after a cancelled prefill")
+
+
+def test_sessions_on_one_new_prefix_compute_it_once_and_agree(model):
+    """Three sessions join at once with one new 2-block prefix (and tails of their own): the first computes the
+    blocks, the others wait for them instead of computing them again, then resume from the cache; all three have a
+    cold run's bits. A fourth with the same prompt later resumes from the cache."""
+    V = model.config.vocab_size
+    base = _prompt(V, 2 * G + 9, 41)
+    prompts = [base, base[:2 * G] + _prompt(V, 30, 42), base]
+    refs = [_alone(model, p, 8) for p in prompts]
+    sched = _sched(model, budget=G, cache_mb=64)
+    ss = [Rows(model, p, 8, k=3, pool=sched.pool) for p in prompts]
+    _run(sched, {0: ss})
+    assert [s.cached_tokens for s in ss] == [0, 2 * G, 2 * G]
+    assert [s.prefill_tokens for s in ss] == [2 * G + 9, 30, 9]
+    later = Rows(model, base, 8, k=3, pool=sched.pool)
+    _run(sched, {0: [later]})
+    assert later.cached_tokens == 2 * G
+    for s, ref in zip(ss + [later], refs + refs[:1]):
+        _same(s.rows, ref.rows, "same prefix at once")
+    st = sched.prefix_stats()
+    assert st.queries == sum(map(len, prompts)) + len(base) and st.hits == 3 * 2 * G
+
+
+def test_eviction_under_a_tiny_budget_keeps_hits_exact(model):
+    V = model.config.vocab_size
+    sched0 = _sched(model, cache_mb=64)
+    block = sched0.cache.block_bytes
+    sched = Scheduler(model, max_num_seqs=2, max_model_len=2600, k=3, max_num_batched_tokens=512,
+                      prefix_cache_bytes=3 * block)
+    pc = sched.cache
+    assert pc.capacity == 3
+    prompts = [_prompt(V, 2 * G + 5, 50 + i) for i in range(3)]
+    for p in prompts:
+        _run(sched, {0: [SpecSession(model, p, 2, k=3, pool=sched.pool)]})
+        assert pc.stats.blocks <= 3 and pc.stats.bytes == pc.stats.blocks * block
+    # the oldest chain went first, leaf before root; the newest chain is whole
+    last = Rows(model, prompts[-1], 6, k=3, pool=sched.pool)
+    _run(sched, {0: [last]})
+    assert last.cached_tokens == 2 * G
+    _same(last.rows, _alone(model, prompts[-1], 6).rows, "after evictions")
+    first = Rows(model, prompts[0], 6, k=3, pool=sched.pool)
+    _run(sched, {0: [first]})
+    assert first.cached_tokens < 2 * G
+    _same(first.rows, _alone(model, prompts[0], 6).rows, "an evicted prefix, recomputed")
+
+
+def test_cache_off_is_a_miss(model):
+    V = model.config.vocab_size
+    prompt = _prompt(V, 2 * G + 3, 61)
+    off = _sched(model, cache_mb=0)
+    assert off.cache is None and off.prefix_stats() is None
+    runs = []
+    for _ in range(2):
+        s = Rows(model, prompt, 8, k=3, pool=off.pool)
+        _run(off, {0: [s]})
+        assert s.cached_tokens == 0
+        runs.append(s)
+    on = _sched(model, cache_mb=64)
+    s = Rows(model, prompt, 8, k=3, pool=on.pool)
+    _run(on, {0: [s]})
+    _same(runs[0].rows, runs[1].rows, "cache off, twice")
+    _same(runs[0].rows, s.rows, "cache off vs a miss")
+
+
+def test_prompt_logprobs_requests_prefill_everything(model):
+    V = model.config.vocab_size
+    prompt = _prompt(V, 2 * G + 3, 71)
+    sched = _sched(model, cache_mb=64)
+    _run(sched, {0: [SpecSession(model, prompt, 2, k=3, pool=sched.pool)]})
+    s = Rows(model, prompt, 4, k=3, pool=sched.pool, prompt_logprobs=1)
+    _run(sched, {0: [s]})
+    assert s.cached_tokens == 0 and len(s.prompt_logprobs) == len(prompt)
+    assert s.prompt_logprobs == _alone(model, prompt, 4, prompt_logprobs=1).prompt_logprobs
+
+
+def test_stats_count_queried_and_hit_tokens(model):
+    V = model.config.vocab_size
+    prompt = _prompt(V, G + 10, 81)
+    sched = _sched(model, cache_mb=64)
+    for _ in range(2):
+        _run(sched, {0: [SpecSession(model, prompt, 2, k=3, pool=sched.pool)]})
+    st = sched.prefix_stats()
+    assert (st.queries, st.hits) == (2 * len(prompt), G)
+    assert st.blocks >= 1 and st.bytes == st.blocks * sched.cache.block_bytes and st.capacity_bytes >= st.bytes
+
+
+def test_a_moe_model_is_row_wise_on_the_c_path_too(tmp_path):
+    """MoE on the C kernels: the router's GEMM, each expert's rows, the shared expert and its gate row by row, each
+    token's experts summed in slot order. So a MoE model packs rows too, and a request's logits are the same bits
+    alone, at K = 0 and 3, under load, and from the cache (blocks its decode completed included)."""
+    model = load_model(make_checkpoint(tmp_path / "moe", seed=43, moe=True, with_tokenizer=False))
+    assert packs_rows(model)
+    V = model.config.vocab_size
+    prompt = _prompt(V, G + 40, 44)
+    ref = _alone(model, prompt, 260, k=3)
+    _same(_alone(model, prompt, 260, k=0).rows, ref.rows, "MoE, K=0")
+    sched = _sched(model, budget=7 * 4 + 60, cache_mb=64)
+    s = Rows(model, prompt, 260, k=3, pool=sched.pool)
+    _under_load(model, sched, s)
+    _same(s.rows, ref.rows, "MoE under load")
+    turn2 = prompt + s.emitted + _prompt(V, 9, 45)
+    hit = Rows(model, turn2, 6, k=3, pool=sched.pool)
+    _run(sched, {0: [hit]})
+    assert hit.cached_tokens == 2 * G
+    _same(hit.rows, _alone(model, turn2, 6, k=3).rows, "MoE from the cache")
+
+
+# ------------------------------------------------------------------------------------------ the torch path
+def _state(s: SpecSession) -> list[torch.Tensor]:
+    out = []
+    for c in s.pool.layers:
+        if isinstance(c, KVPool):
+            out += [c.k[s.slot, :s.cache.length].clone(), c.v[s.slot, :s.cache.length].clone()]
+        else:
+            out += [c.conv[s.slot, s.cache.cur].clone(), c.rec[s.slot, s.cache.cur].clone()]
+    return out
+
+
+def test_torch_path_prefill_bits_alone_under_load_and_from_the_cache(model):
+    """Without the C kernels a forward carries one block of one session; the state a prompt leaves and its first
+    token's logits are the same bits alone, next to decoding rows, and on a cache hit."""
+    V = model.config.vocab_size
+    prev = cpu.set_enabled(False)
+    try:
+        assert not packs_rows(model)
+        prompt = _prompt(V, 2 * G + 45, 91)
+        sched = _sched(model, cache_mb=64, max_len=1200)
+        ref = Rows(model, prompt, 1, k=3, pool=sched.pool)
+        sched.add(ref)
+        while ref.prefilling:
+            sched.step()
+        ref_state = _state(ref)
+        sched.remove(ref)
+        sched2 = _sched(model, budget=7 * 4 + 100, max_len=1200)
+        loaded = Rows(model, prompt, 1, k=3, pool=sched2.pool)
+        _under_load(model, sched2, loaded, until_prefilled=True)
+        _same(loaded.rows, ref.rows, "torch path, under load")
+        _same(_state(loaded), ref_state, "torch path state, under load")
+        hit = Rows(model, prompt, 1, k=3, pool=sched.pool)
+        sched.add(hit)
+        assert hit.cached_tokens == 2 * G
+        while hit.prefilling:
+            sched.step()
+        _same(hit.rows, ref.rows, "torch path, from the cache")
+        _same(_state(hit), ref_state, "torch path state, from the cache")
+    finally:
+        cpu.set_enabled(prev)
+
+
+# ------------------------------------------------------------------------------------------ the cache itself
+def _tiny_pool():
+    from engine.model.config import Qwen35Config
+    from tests.tiny import hf_config
+
+    cfg = Qwen35Config.from_dict(hf_config())
+    return StatePool(cfg, 2, 4 * G, 4, mtp=True)
+
+
+def test_block_keys_chain_and_tokens_are_checked():
+    pool = _tiny_pool()
+    pc = PrefixCache(pool, 64 * MB, "m")
+    toks = list(range(3 * G + 1))
+    keys = block_keys(toks, 3, pc.root)
+    assert len(set(keys)) == 3 and block_keys(toks, 3, pc.root, keys[:1]) == keys
+    other = block_keys([1] + toks[1:], 3, pc.root)
+    assert all(a != b for a, b in zip(keys, other)), "a change in block 0 changes every later key"
+    assert block_keys(toks, 1, PrefixCache(pool, MB, "another model").root) != keys[:1]
+    for c in pool.layers:
+        (c.k if isinstance(c, KVPool) else c.rec)[0].normal_()
+    for b in range(2):
+        assert pc.insert(keys, toks, b, 0, 0, window_slot=0, pre_last=torch.randn(pool.cfg.hidden_size))
+    assert not pc.insert(keys, toks, 1, 0, 0, window_slot=0, pre_last=torch.zeros(pool.cfg.hidden_size))
+    assert len(pc.lookup(toks, keys)) == 2
+    assert len(pc.lookup(toks[:2 * G], keys)) == 1, "a lookup leaves at least one token to prefill"
+    e = pc._index[keys[1]]
+    e.tokens = (7,) + e.tokens[1:]  # a collision: same key, other tokens
+    assert len(pc.lookup(toks, keys)) == 1
+    with pytest.raises(ValueError):
+        pc.insert(keys, toks, 2, 0, 0)
+
+
+def test_restore_copies_what_insert_kept():
+    pool = _tiny_pool()
+    pc = PrefixCache(pool, 64 * MB, "m")
+    toks = list(range(2 * G + 3))
+    keys = block_keys(toks, 2, pc.root)
+    for t in [*(x for c in pool.layers for x in ((c.k, c.v) if isinstance(c, KVPool) else (c.conv, c.rec))),
+              pool.mtp.k, pool.mtp.v]:
+        t.normal_()
+    pres = [torch.randn(pool.cfg.hidden_size) for _ in range(2)]
+    for b in range(2):
+        pc.insert(keys, toks, b, 0, 0, window_slot=1, pre_last=pres[b])  # (the live state changes in between)
+    ids = pc.lookup(toks, keys)
+    carrier = pc.restore(ids, 1, 2, 1)
+    assert torch.equal(carrier, pres[1])
+    for c in pool.layers:
+        if isinstance(c, KVPool):
+            assert torch.equal(c.k[1, :2 * G], c.k[0, :2 * G]) and torch.equal(c.v[1, :2 * G], c.v[0, :2 * G])
+        else:
+            assert torch.equal(c.rec[1, 2], c.rec[0, 1]) and torch.equal(c.conv[1, 2], c.conv[0, 1])
+    assert torch.equal(pool.mtp.k[1, :2 * G - 1], pool.mtp.k[0, :2 * G - 1])
+
+
+def test_eviction_takes_the_oldest_leaf_first():
+    pool = _tiny_pool()
+    probe = PrefixCache(pool, 64 * MB, "m")
+    pc = PrefixCache(pool, 3 * probe.block_bytes, "m")
+    h = pool.cfg.hidden_size
+    a, b = list(range(3 * G)), [5] + list(range(1, 3 * G))
+    ka, kb = block_keys(a, 3, pc.root), block_keys(b, 3, pc.root)
+    for i in range(3):
+        pc.insert(ka, a, i, 0, 0, window_slot=0, pre_last=torch.zeros(h))
+    assert pc.stats.blocks == 3
+    pc.insert(kb, b, 0, 0, 0, window_slot=0, pre_last=torch.zeros(h))  # evicts a's leaf, not its root
+    assert pc.contains(ka[0]) and pc.contains(ka[1]) and not pc.contains(ka[2]) and pc.contains(kb[0])
+    assert len(pc.lookup(a + [0], ka)) == 2  # touches a's chain: b's block is now the oldest leaf
+    pc.insert(ka, a, 2, 0, 0, window_slot=0, pre_last=torch.zeros(h))
+    assert not pc.contains(kb[0]) and all(pc.contains(k) for k in ka)
+    bid = pc.reserve()
+    assert bid is not None and pc.stats.blocks == 2, "a reservation takes room (an evicted leaf's)"
+    pc.release(bid)
+    assert not pc.insert(kb, b, 1, 0, 0, window_slot=0, pre_last=torch.zeros(h)), "no parent: not inserted"
+
+
+def test_a_cache_that_cannot_grow_keeps_what_it_has(monkeypatch):
+    """A slab that fails to allocate (the device is full) caps the cache at what it holds, logged, and evicts
+    from then on: never an out-of-memory crash."""
+    pool = _tiny_pool()
+    pc = PrefixCache(pool, 64 * MB, "m")
+    toks = list(range(2 * G + 1))
+    keys = block_keys(toks, 2, pc.root)
+    h = pool.cfg.hidden_size
+    assert pc.insert(keys, toks, 0, 0, 0, window_slot=0, pre_last=torch.zeros(h))
+    pc._free.clear()  # the first slab is full
+    monkeypatch.setattr(pc, "_slab", lambda n: (_ for _ in ()).throw(torch.OutOfMemoryError("CUDA out of memory")))
+    assert not pc.insert(keys, toks, 1, 0, 0, window_slot=0, pre_last=torch.zeros(h)), "no room made for it"
+    assert pc.capacity == PrefixCache.SLAB and pc.stats.capacity_bytes == pc.capacity * pc.block_bytes

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.scheduler import Scheduler
+from engine.selfcheck import startup
 from engine.spec import SpecConstraint, SpecSampling, SpecSession, SpecTelemetry
 from metrics.prometheus import ServingMetrics
 
@@ -193,11 +194,13 @@ class Worker(Drainable):
     """Owns the model; `submit` from the event loop, everything else happens on the worker thread.
 
     `session_factory` builds a session with `SpecSession`'s signature (tests subclass it to inject failures).
+    `kernels` ("auto" | "strict"): the startup self-check's mode (`engine.selfcheck.startup`); strict raises
+    `KernelCheckFailed` from here.
     """
 
     def __init__(self, model: Any, metrics: ServingMetrics, *, k: int, p_min: float, capmax: int,
                  max_num_seqs: int, max_queue: int, max_model_len: int, max_num_batched_tokens: int,
-                 session_factory: SessionFactory = SpecSession, outbox: Any = None) -> None:
+                 session_factory: SessionFactory = SpecSession, outbox: Any = None, kernels: str = "auto") -> None:
         self.model = model
         self.metrics = metrics
         self.k, self.p_min, self.capmax = k, p_min, capmax
@@ -207,6 +210,9 @@ class Worker(Drainable):
         self.scheduler = Scheduler(model, max_num_seqs=max_num_seqs, max_model_len=max_model_len, k=k,
                                    max_num_batched_tokens=max_num_batched_tokens)
         log.info("%s", self.scheduler.describe())
+        # the kernels meet the device before the first request (engine/selfcheck.py; --kernels strict: fatal)
+        self.startup = startup(model, strict=kernels == "strict", progress=True)
+        self.kernel_info = self.startup.kernel_info()  # kernel -> "triton" | "torch" ({} on the torch path)
         self._cv = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
         self._active: dict[SpecSession, _Active] = {}

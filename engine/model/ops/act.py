@@ -143,15 +143,15 @@ def gdn_gates(a: torch.Tensor, b: torch.Tensor, neg_a: torch.Tensor,
 
 
 def moe_combine(y: torch.Tensor, inv: torch.Tensor, w: torch.Tensor, shared: torch.Tensor,
-                shared_gate: torch.Tensor) -> torch.Tensor:
+                shared_gate: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Triton twin of `moe_combine_ref` (same arguments; y, shared last dim contiguous): one program per
     (token, column block) sums that token's k expert rows in routing-slot order, so a token's result never
-    depends on the other tokens or on how the experts were grouped."""
+    depends on the other tokens or on how the experts were grouped. `out`: a preallocated contiguous [N, H]."""
     check_triton(y, shared)
     N, k = w.shape
     H = shared.shape[-1]
     assert y.stride(-1) == 1 and shared.stride(-1) == 1 and w.stride(-1) == 1
-    out = torch.empty(N, H, dtype=shared.dtype, device=shared.device)
+    out = out if out is not None else torch.empty(N, H, dtype=shared.dtype, device=shared.device)
     if N:
         sg = shared_gate.reshape(N)
         cfg = launch.get("moe_combine", shared.dtype, shared.device)

@@ -202,15 +202,16 @@ def expert_tiles(offsets: torch.Tensor, M: int, block_m: int | None = None) -> t
 
 
 def grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, rows: torch.Tensor | None = None,
-                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                   out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Triton: sorted row m of expert e -> x[rows[m]] @ w[e]^T, y [M, N] in sorted order.
 
     x [R, K]; w [E, N, K]; offsets [E+1] int (from `group_by_expert`; offsets[E] == M); rows [M] int64 gather
-    indices into x (None: x is already sorted, M = R). No host sync: the grid is an upper bound."""
+    indices into x (None: x is already sorted, M = R). No host sync: the grid is an upper bound. `out`: a
+    preallocated y."""
     check_triton(x, w)
     M = rows.numel() if rows is not None else x.shape[0]
     E, N, K = w.shape
-    y = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
+    y = out if out is not None else torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
     if M == 0:
         return y
     cfg = launch.get("matmul/grouped", x.dtype, x.device)

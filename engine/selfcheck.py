@@ -7,9 +7,11 @@ the twin's tolerance rule (the kernel tests' rule). A kernel that raises (a comp
 memory, a launch error) or does not match is replaced by its twin for this process (`dispatch.fall_back`),
 named in one log line, and reported as impl "torch" (the `nextn_kernel_info` gauge, /health's detail).
 
-`startup(model, runner, strict=..., progress=...)` is what the server calls once the state pool exists: on the
-kernel path it runs the check (a progress bar over it, as the loader shows one), logs the time, and with
-strict raises `KernelCheckFailed` (one line) on any failure. On the torch path (CPU) it does nothing.
+`startup(model, runner, strict=..., progress=...)` is what the server calls once the state pool exists and before
+any session holds a slot: on the kernel path it runs the check, then captures the scheduler's CUDA graphs
+(engine/graphs.py `GraphRunner.capture_all`), with one progress bar over both (as the loader shows one), logs
+each part's time, and with strict raises `KernelCheckFailed` (one line) on any failure. On the torch path (CPU)
+it does nothing.
 
 Tests drive the check on a CPU under TRITON_INTERPRET=1 inside `dispatch.force_kernels()`, and inject failures
 by replacing a kernel wrapper in its module (the check and the model look the wrappers up at call time); nothing
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .graphs import CaptureReport, GraphRunner
 from .model.config import Qwen35Config
 from .model.ops import act as _act
 from .model.ops import attention as _attn
@@ -58,9 +61,10 @@ class KernelCheck:
 
 @dataclass
 class Startup:
-    """What `startup` did (empty on the torch path)."""
+    """What `startup` did (empty on the torch path): the kernel verdicts, the graph captures, the seconds."""
 
     kernels: list[KernelCheck] = field(default_factory=list)
+    graphs: CaptureReport | None = None
     seconds: float = 0.0
 
     def kernel_info(self) -> dict[str, str]:
@@ -285,32 +289,48 @@ def check_kernels(cfg: Qwen35Config, device: torch.device | str,
     return out
 
 
-def startup(model: torch.nn.Module, *, strict: bool = False, progress: bool = False) -> Startup:
+def startup(model: torch.nn.Module, runner: GraphRunner | object | None = None, *, strict: bool = False,
+            progress: bool = False) -> Startup:
     """The startup checks of a model on the kernel path (CUDA; or CPU inside the test-only force_kernels()):
-    every kernel against its twin, with a progress bar when `progress`. Logs one summary line. Raises
-    `KernelCheckFailed` when `strict` and anything failed (after logging it). The torch path: Startup()."""
+    every kernel against its twin, then, when `runner` is the scheduler's `GraphRunner`, every CUDA graph the
+    pool allows (`GraphRunner.capture_all`; after the check, so graphs record the kernels that passed). Call it
+    before any session holds a pool slot. One progress bar over both when `progress`; one summary line each.
+    Raises `KernelCheckFailed` when `strict` and a kernel or a capture failed (after logging it). The torch
+    path: Startup() and nothing done."""
     w = model.lm_head.weight
     if not ops.use_triton(w):
         return Startup()
     cfg = model.config
     names = kernels_for(cfg)
+    graphs = runner if isinstance(runner, GraphRunner) and runner.capture else None
     t0 = time.monotonic()
     bar = None
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(names), desc="startup: kernel self-check", unit="step")
+        total = len(names) + (len(graphs.step_keys()) if graphs is not None else 0)
+        bar = tqdm(total=total, desc="startup: kernel self-check + CUDA graphs", unit="step")
     try:
-        checks = check_kernels(cfg, w.device, on_each=bar.update if bar is not None else None)
+        each = bar.update if bar is not None else None
+        checks = check_kernels(cfg, w.device, on_each=each)
+        failed = [c for c in checks if not c.ok]
+        log.info("kernel self-check: %d of %d kernels match their twins on %s (%s) in %.1f s%s",
+                 len(checks) - len(failed), len(checks), w.device, str(cfg.dtype).removeprefix("torch."),
+                 time.monotonic() - t0, "" if not failed else "; on their torch twin: " +
+                 ", ".join(c.kernel for c in failed))
+        if strict and failed:
+            raise KernelCheckFailed("--kernels strict: " + "; ".join(
+                f"kernel {c.kernel} failed its startup check ({c.detail})" for c in failed))
+        cap = graphs.capture_all(on_each=each) if graphs is not None else None
     finally:
         if bar is not None:
             bar.close()
-    rep = Startup(checks, time.monotonic() - t0)
-    failed = [c for c in checks if not c.ok]
-    log.info("kernel self-check: %d of %d kernels match their twins on %s (%s) in %.1f s%s", len(checks) - len(failed),
-             len(checks), w.device, str(cfg.dtype).removeprefix("torch."), rep.seconds,
-             "" if not failed else "; on their torch twin: " + ", ".join(c.kernel for c in failed))
-    if strict and failed:
-        raise KernelCheckFailed("--kernels strict: " + "; ".join(f"kernel {c.kernel} failed its startup check "
-                                                                 f"({c.detail})" for c in failed))
+    if cap is not None:
+        log.info("CUDA graphs: %d of %d captured in %.1f s%s", len(cap.captured), len(cap.captured) + len(cap.eager),
+                 cap.seconds, "" if not cap.eager else f"; eager (capture failed): {', '.join(cap.eager)}")
+        if strict and cap.eager:
+            raise KernelCheckFailed("--kernels strict: CUDA graph capture failed for " + "; ".join(
+                f"{k} ({why})" for k, why in cap.eager.items()))
+    rep = Startup(checks, cap, time.monotonic() - t0)
+    log.info("startup on %s: %.1f s (kernel self-check and CUDA graph capture)", w.device, rep.seconds)
     return rep

@@ -210,8 +210,9 @@ class Worker(Drainable):
         self.scheduler = Scheduler(model, max_num_seqs=max_num_seqs, max_model_len=max_model_len, k=k,
                                    max_num_batched_tokens=max_num_batched_tokens)
         log.info("%s", self.scheduler.describe())
-        # the kernels meet the device before the first request (engine/selfcheck.py; --kernels strict: fatal)
-        self.startup = startup(model, strict=kernels == "strict", progress=True)
+        # the kernels meet the device and the CUDA graphs are captured before the first request
+        # (engine/selfcheck.py; --kernels strict: any failure is fatal)
+        self.startup = startup(model, self.scheduler.runner, strict=kernels == "strict", progress=True)
         self.kernel_info = self.startup.kernel_info()  # kernel -> "triton" | "torch" ({} on the torch path)
         self._cv = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()

@@ -30,7 +30,9 @@ from .graphs import CaptureReport, GraphRunner
 from .model.config import Qwen35Config
 from .model.ops import act as _act
 from .model.ops import attention as _attn
+from .model.ops import attention_prefill as _attnp
 from .model.ops import dispatch as ops
+from .model.ops import gdn_prefill as _gdnp
 from .model.ops import gdn_update as _gdn
 from .model.ops import matmul as _mm
 from .model.ops import norm as _norm
@@ -162,6 +164,15 @@ def _attention(c: Qwen35Config, r: _Rand) -> Outputs:
     return [("gated", o, _attn.attention_ref(q, kc, vc, slot, pos0, hd ** -0.5, gate))]
 
 
+def _attention_prefill(c: Qwen35Config, r: _Rand) -> Outputs:
+    nh, nkv, hd, L, T = c.num_attention_heads, c.num_key_value_heads, c.head_dim, 128, 40
+    kc, vc = r.randn(3, L, nkv, hd), r.randn(3, L, nkv, hd)
+    q, gate = r.randn(2, T, nh, hd), r.randn(2, T, nh, hd)
+    slot, pos0 = r.idx(2, 0), r.idx(64, 3)  # a chunk on the grid, and one at any position
+    o = _attnp.prefill_attention(q, kc, vc, slot, pos0, hd ** -0.5, gate, out=r.nans(2, T, nh, hd))
+    return [("causal", o, _attnp.prefill_attention_ref(q, kc, vc, slot, pos0, hd ** -0.5, gate))]
+
+
 def _gdn_window(r: _Rand, shape: tuple[int, ...], dtype: torch.dtype, slot: torch.Tensor, T: int) -> torch.Tensor:
     """A [S, W, ...] pool of random states whose window slots 0..T-1 of `slot` (the ones a step writes) are NaN."""
     p = r.randn(*shape, scale=0.3, dtype=dtype)
@@ -180,6 +191,22 @@ def _gdn_update(c: Qwen35Config, r: _Rand) -> Outputs:
     o = _gdn.gdn_update(q, k, v, g, beta, rec, slot, cur, qk_l2norm=True, out=r.nans(2, T, nv, dv))
     o_t = _gdn.gdn_update_ref(q, k, v, g, beta, rec_t, slot, cur, qk_l2norm=True)
     return [("output", o, o_t), ("states", rec[slot, :T], rec_t[slot, :T])]
+
+
+def _gdn_prefill(c: Qwen35Config, r: _Rand) -> Outputs:
+    nk, dk, nv, dv, T = c.linear_num_key_heads, c.linear_key_head_dim, c.linear_num_value_heads, \
+        c.linear_value_head_dim, 70
+    q, k, v = r.randn(2, T, nk, dk), r.randn(2, T, nk, dk), r.randn(2, T, nv, dv)
+    g, beta = -r.rand(2, T, nv), r.rand(2, T, nv)
+    slot, cur, dst, lens = r.idx(2, 0), r.idx(1, 0), r.idx(0, 1), r.idx(T, 9)  # a chunk and a tail; a short row
+    rec = r.randn(3, 2, nv, dk, dv, scale=0.3, dtype=torch.float32)
+    rec[slot, dst] = float("nan")
+    rec_t = rec.clone()
+    o = _gdnp.chunked_gdn(q, k, v, g, beta, rec, slot, cur, dst, lens, qk_l2norm=True, out_dtype=r.dtype,
+                          out=r.nans(2, T, nv, dv))
+    o_t = _gdnp.chunked_gdn_ref(q, k, v, g, beta, rec_t, slot, cur, dst, lens, qk_l2norm=True)
+    return [("output", o[0], o_t[0]), ("short row", o[1, :9], o_t[1, :9]),
+            ("states", rec[slot, dst], rec_t[slot, dst])]
 
 
 def _conv_update(c: Qwen35Config, r: _Rand) -> Outputs:
@@ -229,7 +256,7 @@ CHECKS: dict[str, Callable[[Qwen35Config, _Rand], Outputs]] = {
     "matmul": _matmul, "grouped_matmul": _grouped, "moe_combine": _moe_combine, "rms_norm": _rms_norm,
     "add_rms_norm": _add_rms_norm, "gated_rms_norm": _gated_rms_norm, "attention": _attention,
     "gdn_update": _gdn_update, "conv_update": _conv_update, "gdn_gates": _gdn_gates, "silu_mul": _silu_mul,
-    "argmax": _argmax, "sample": _sample_,
+    "argmax": _argmax, "sample": _sample_, "gdn_prefill": _gdn_prefill, "attention_prefill": _attention_prefill,
 }
 
 
@@ -238,7 +265,7 @@ def kernels_for(cfg: Qwen35Config) -> list[str]:
     gdn = "linear_attention" in cfg.layer_types
     skip = set() if cfg.is_moe else {"grouped_matmul", "moe_combine"}
     if not gdn:
-        skip |= {"gdn_update", "conv_update", "gdn_gates", "gated_rms_norm"}
+        skip |= {"gdn_update", "conv_update", "gdn_gates", "gated_rms_norm", "gdn_prefill"}
     return [k for k in CHECKS if k not in skip]
 
 

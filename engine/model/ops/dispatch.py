@@ -3,7 +3,8 @@
 CPU (and CUDA without triton) runs the twins, so this module imports and works without triton; one exception:
 `argmax` of fp32 CPU logits runs cpu.py's C pick when it is built, which picks exactly what torch.argmax picks.
 The kernels' contracts (batch invariance, pool layout, what the caller passes) are in their modules:
-matmul.py, attention.py, gdn_update.py, norm.py, sample.py, act.py.
+matmul.py, attention.py, gdn_update.py, norm.py, sample.py, act.py, and the prefill pair gdn_prefill.py and
+attention_prefill.py (chunked GDN and causal attention over prompt chunks on the prefill grid).
 
 Per kernel fallback: the startup self-check (engine/selfcheck.py) compiles each kernel on the device and compares
 it with its twin; a kernel that fails is handed to `fall_back(name, why)` and this process runs that op's twin
@@ -24,7 +25,9 @@ import torch
 
 from . import act as _act
 from . import attention as _attn
+from . import attention_prefill as _attnp
 from . import cpu as _cpu
+from . import gdn_prefill as _gdnp
 from . import gdn_update as _gdn
 from . import matmul as _mm
 from . import norm as _norm
@@ -33,13 +36,14 @@ from ._triton import HAS_TRITON
 
 __all__ = ["HAS_TRITON", "KERNELS", "use_triton", "use_kernel", "fall_back", "kernel_impls", "mismatch", "tolerance",
            "force_kernels", "linear", "grouped_linear", "rms_norm", "add_rms_norm",
-           "gated_rms_norm", "attention", "write_kv", "gdn_update", "conv_update", "gdn_gates", "silu_mul",
+           "gated_rms_norm", "attention", "attention_prefill", "write_kv", "gdn_update", "gdn_prefill", "conv_update", "gdn_gates", "silu_mul",
            "moe_combine", "argmax", "sample"]
 
 #: the ops below that have a Triton kernel (the names of the startup self-check, the fallbacks, the
 #: `nextn_kernel_info` gauge and /health)
 KERNELS = ("matmul", "grouped_matmul", "rms_norm", "add_rms_norm", "gated_rms_norm", "attention", "gdn_update",
-           "conv_update", "gdn_gates", "silu_mul", "moe_combine", "argmax", "sample")
+           "conv_update", "gdn_gates", "silu_mul", "moe_combine", "argmax", "sample", "gdn_prefill",
+           "attention_prefill")
 
 _FORCED = False
 _TWIN: dict[str, str] = {}  # kernel -> why this process runs its twin instead
@@ -160,6 +164,26 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slo
 
 
 write_kv = _attn.write_kv  # device-side scatter (torch on every device)
+
+
+def attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot: torch.Tensor,
+                      pos0: torch.Tensor, scale: float, gate: torch.Tensor | None = None) -> torch.Tensor:
+    """Prompt chunks: query t of row i attends keys [0, pos0[i] + t] of its slot (attention_prefill.py)."""
+    fn = _attnp.prefill_attention if use_kernel("attention_prefill", q) else _attnp.prefill_attention_ref
+    return fn(q, k_cache, v_cache, slot, pos0, scale, gate)
+
+
+def gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                rec: torch.Tensor, slot: torch.Tensor, cur: torch.Tensor, dst: torch.Tensor,
+                lens: torch.Tensor | None = None, qk_l2norm: bool = False,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Prompt chunks: chunked GDN over N rows x T tokens from rec[slot, cur], final state to rec[slot, dst]; o
+    [N, T, nv, dv] in out_dtype (default rec's dtype) (gdn_prefill.py)."""
+    if use_kernel("gdn_prefill", q):
+        return _gdnp.chunked_gdn(q, k, v, g, beta, rec, slot, cur, dst, lens, qk_l2norm=qk_l2norm,
+                                 out_dtype=out_dtype or rec.dtype)
+    o = _gdnp.chunked_gdn_ref(q, k, v, g, beta, rec, slot, cur, dst, lens, qk_l2norm=qk_l2norm)
+    return o if out_dtype is None else o.to(out_dtype)
 
 
 def gdn_update(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

@@ -25,9 +25,9 @@ Chunked GDN for prefill (`gdn_prefill`): the choice, and why.
     SGLang run for this model). It is not the default because it cannot be tested here (no GPU; fla-core
     next to triton on a CPU machine breaks transformers' Qwen3.5, see environment.md section 3), it has to
     travel to the GPU machine as a wheel, and it is an extra dependency for a path whose speed only matters
-    for long prompts. bench/gpu.py times both and compares them with the recurrence when fla is importable;
-    phase 2 makes fla the CUDA default if that check passes (a chunk kernel of our own is not worth
-    writing before the GPU numbers say the torch form is the bottleneck).
+    for long prompts.
+  * Our own Triton chunk kernel over the state pool is gdn_prefill.py (the same WY form, chunks on the
+    prefill grid); bench/gpu.py times it at the 9B shape.
 """
 from __future__ import annotations
 

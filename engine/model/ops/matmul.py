@@ -178,6 +178,8 @@ def matmul(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = Non
     if M == 0:
         return y
     cfg = launch.get(f"matmul/{phase}", x.dtype, x.device)
+    if phase == "prefill" and split_k is None:
+        split_k = 1  # prompt chunks bring rows enough to fill the device: never a K split (fixed, not from M)
     _launch(x, w, y, M, N, K, split_k, None, None, cfg, cdiv(M, cfg["BM"]))
     return y
 

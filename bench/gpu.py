@@ -507,7 +507,8 @@ def _prefill_length(c: Ctx, d: dict, T: int, check: bool, twin_max: int, weights
     gl = (-torch.rand(1, T, d["nv"], generator=c.g) * 0.3).to(dev)
     beta = torch.rand(1, T, d["nv"], generator=c.g).to(dev)
     rec = torch.zeros(1, 1, d["nv"], d["dk"], d["dv"], dtype=f32, device=dev)
-    gdn = lambda: gp.chunked_gdn(q, k, v, gl, beta, rec, zero, zero, zero, qk_l2norm=True, out_dtype=c.dtype)  # noqa: E731
+    gdn = lambda: gp.chunked_gdn(q, k, v, gl, beta, rec, zero, zero, zero, qk_l2norm=True,  # noqa: E731
+                                 out_dtype=c.dtype)
     t_gdn = c.time_us(gdn, iters)
     qa, gate = c.randn(1, T, d["nh"], d["hd"]), c.randn(1, T, d["nh"], d["hd"])
     kc, vc = c.randn(1, T, d["nkv"], d["hd"]), c.randn(1, T, d["nkv"], d["hd"])

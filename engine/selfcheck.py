@@ -244,8 +244,8 @@ def _argmax(c: Qwen35Config, r: _Rand) -> Outputs:
 def _sample_(c: Qwen35Config, r: _Rand) -> Outputs:
     lg = r.randn(4, c.vocab_size, scale=3.0, dtype=torch.float32)
     inv_t = torch.tensor([0.0, 0.5, 1.0, 2.0], device=r.device)
-    thr = _sample.sampling_thresholds(lg, inv_t, r.idx(0, 20, 0, 50), torch.tensor([1.0, 0.95, 0.9, 1.0], device=r.device),
-                                      torch.zeros(4, device=r.device))
+    top_p = torch.tensor([1.0, 0.95, 0.9, 1.0], device=r.device)
+    thr = _sample.sampling_thresholds(lg, inv_t, r.idx(0, 20, 0, 50), top_p, torch.zeros(4, device=r.device))
     seed, off = r.idx(1, 2, 3, 4), r.idx(0, 4, 8, 12)
     got = _sample.sample(lg, inv_t, thr, seed, off, out=r.ints(4))
     return [("race", got, _sample.sample_ref(lg, inv_t, thr, seed, off))]

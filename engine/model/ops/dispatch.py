@@ -35,8 +35,8 @@ from . import sample as _sample
 from ._triton import HAS_TRITON
 
 __all__ = ["HAS_TRITON", "KERNELS", "use_triton", "use_kernel", "fall_back", "kernel_impls", "mismatch", "tolerance",
-           "force_kernels", "linear", "grouped_linear", "rms_norm", "add_rms_norm",
-           "gated_rms_norm", "attention", "attention_prefill", "write_kv", "gdn_update", "gdn_prefill", "conv_update", "gdn_gates", "silu_mul",
+           "force_kernels", "linear", "grouped_linear", "rms_norm", "add_rms_norm", "gated_rms_norm", "attention",
+           "attention_prefill", "write_kv", "gdn_update", "gdn_prefill", "conv_update", "gdn_gates", "silu_mul",
            "moe_combine", "argmax", "sample"]
 
 #: the ops below that have a Triton kernel (the names of the startup self-check, the fallbacks, the
@@ -142,7 +142,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = Non
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, rows: torch.Tensor | None = None,
                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """MoE experts: sorted row m of expert e -> x[rows[m]] @ w[e]^T (see matmul.grouped_matmul)."""
-    return (_mm.grouped_matmul if use_kernel("grouped_matmul", x) else _mm.grouped_matmul_ref)(x, w, offsets, rows, out_dtype)
+    fn = _mm.grouped_matmul if use_kernel("grouped_matmul", x) else _mm.grouped_matmul_ref
+    return fn(x, w, offsets, rows, out_dtype)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -160,7 +161,8 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot: torch.Tensor, pos0: torch.Tensor,
               scale: float, gate: torch.Tensor | None = None) -> torch.Tensor:
-    return (_attn.attention if use_kernel("attention", q) else _attn.attention_ref)(q, k_cache, v_cache, slot, pos0, scale, gate)
+    fn = _attn.attention if use_kernel("attention", q) else _attn.attention_ref
+    return fn(q, k_cache, v_cache, slot, pos0, scale, gate)
 
 
 write_kv = _attn.write_kv  # device-side scatter (torch on every device)
@@ -199,7 +201,7 @@ def gdn_update(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
 
 def conv_update(x: torch.Tensor, conv: torch.Tensor, weight: torch.Tensor, slot: torch.Tensor,
                 cur: torch.Tensor) -> torch.Tensor:
-    fast = use_kernel("conv_update", x) and weight.shape[-1] == 4  # the kernel is written for Kc == 4 (every Qwen3.5 config)
+    fast = use_kernel("conv_update", x) and weight.shape[-1] == 4  # the kernel is for Kc == 4 (every Qwen3.5 config)
     return (_gdn.conv_update if fast else _gdn.conv_update_ref)(x, conv, weight, slot, cur)
 
 

@@ -45,8 +45,8 @@ def chunked_gdn_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     start = rec[slot, cur]  # [N, nv, dk, dv]: every row's state read before any write
     o = torch.zeros(N, T, v.shape[2], v.shape[3], dtype=rec.dtype, device=q.device)
     for i, n in enumerate(n_tok):
-        oi, si = gdn_chunked(qe[i:i + 1, :n], ke[i:i + 1, :n], v[i:i + 1, :n].to(rec.dtype), g[i:i + 1, :n].to(rec.dtype),
-                             beta[i:i + 1, :n].to(rec.dtype), start[i:i + 1], chunk=CHUNK)
+        row = [t[i:i + 1, :n] for t in (qe, ke)] + [t[i:i + 1, :n].to(rec.dtype) for t in (v, g, beta)]
+        oi, si = gdn_chunked(*row, start[i:i + 1], chunk=CHUNK)
         o[i, :n] = oi[0]
         rec[slot[i], dst[i]] = si[0]
     return o
@@ -82,8 +82,9 @@ if HAS_TRITON:
             t = c + r
             t_ok = t < n
             qk_mask = t_ok[:, None] & k_ok[None, :]
-            Q = tl.load(q + i64 * sqn + t[:, None] * sqt + kh * sqh + dk[None, :], mask=qk_mask, other=0.0).to(tl.float32)
-            K = tl.load(k + i64 * skn + t[:, None] * skt + kh * skh + dk[None, :], mask=qk_mask, other=0.0).to(tl.float32)
+            Q = tl.load(q + i64 * sqn + t[:, None] * sqt + kh * sqh + dk[None, :], mask=qk_mask, other=0.0)
+            K = tl.load(k + i64 * skn + t[:, None] * skt + kh * skh + dk[None, :], mask=qk_mask, other=0.0)
+            Q, K = Q.to(tl.float32), K.to(tl.float32)  # [C, BK] each
             if L2NORM:
                 Q = Q * (tl.rsqrt(tl.sum(Q * Q, axis=1) + 1e-6) * scale)[:, None]
                 K = K * tl.rsqrt(tl.sum(K * K, axis=1) + 1e-6)[:, None]

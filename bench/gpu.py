@@ -1,21 +1,29 @@
 #!/usr/bin/env python3
-"""GPU benchmark and checks of the engine's kernel path (issue #11): the Triton kernels and the whole model.
+"""GPU benchmark and checks of the engine's kernel path: the first contact of nextn with a GPU, the Triton kernels
+and the whole model.
 
-    python bench/gpu.py --smoke     every kernel vs its torch twin, every bitwise invariance check, and the
-                                    whole-model checks (alone == batched, T=1 == T=K+1, greedy spec == plain
-                                    through the scheduler's graph runner, ours vs transformers) at tiny shapes;
-                                    without CUDA it runs on the CPU under TRITON_INTERPRET=1 (set here);
-                                    exit status 1 on any FAIL.
-    python bench/gpu.py --smoke --quick   its bf16 part: kernels and one tiny bf16 model (tests/test_gpu_bench.py)
-    python bench/gpu.py             on a GPU, one call of at most 8 minutes (--budget-s, default 360): the copy
-                                    bandwidth, then per random-weight bf16 model (0.8B, 9B, 35B-A3B with 8 of its
-                                    40 layers): HBM floor, plain decode / verify K+1 / MTP draft step times at
-                                    batch 1 and 8 (CUDA graph replays), prefill tokens/s at batch 1 and 8,
-                                    end-to-end greedy tokens/s, transformers `generate` as the peer, the bitwise
-                                    checks in bf16; then, budget permitting, every kernel vs its twin with
-                                    timings at Qwen3.5-0.8B / 9B shapes (and the 35B-A3B experts). Goals with
-                                    met / NOT met at the end. Markdown on stdout (--md PATH: also to a file);
-                                    --json PATH also writes the rows. Exit status 1 on any failed check.
+    python bench/gpu.py             on a GPU, one call of at most 8 minutes (--budget-s, default 360), in order:
+                                    selfcheck: the launch table of this device (every kernel's config and its
+                                      shared-memory estimate vs the device's limit) and the startup self-check
+                                      at the 9B shape (each kernel vs its twin, as `nextn serve` runs it);
+                                    prefill: the new prefill kernels called directly at the 9B shape for 512,
+                                      4k and 32k-token prompts (GDN chunk kernel vs the torch chunked form,
+                                      prefill attention vs causal SDPA, prefill matmuls, the model's tokens/s
+                                      from their sum; each kernel vs its twin);
+                                    models: per random-weight bf16 model (0.8B, 9B, 35B-A3B with 8 of its 40
+                                      layers): HBM floor, startup time (self-check + CUDA graph capture),
+                                      plain decode / verify K+1 / MTP draft / K=3 round step times at batch 1
+                                      and 8 (graph replays), prefill tokens/s at batch 1 and 8, end-to-end
+                                      greedy tokens/s, transformers `generate` as the peer, the bitwise checks
+                                      in bf16 (spec == plain, alone == batched, T=1 == T=K+1); FP8 rows go next
+                                      to them (gpu_model.specs);
+                                    kernels: budget permitting, every decode kernel vs its twin with timings at
+                                      Qwen3.5-0.8B / 9B shapes (and the 35B-A3B experts).
+                                    Goals with met / NOT met at the end. Markdown on stdout (--md PATH: also to a
+                                    file); --json PATH also writes the rows. Exit status 1 on any failed check.
+    python bench/gpu.py --smoke     the same sections at tiny shapes (no timings); without CUDA on the CPU under
+                                    TRITON_INTERPRET=1 (set here); exit status 1 on any FAIL.
+    python bench/gpu.py --smoke --quick   its bf16 part: one tiny bf16 model (tests/test_gpu_bench.py)
 
 Tests never assert timings: the figures go to bench/RESULTS.md as ratios. Model rows: bench/gpu_model.py.
 """
@@ -26,6 +34,7 @@ import json
 import os
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -38,6 +47,8 @@ from cuda_timing import cuda_ms  # noqa: E402  (bench/, the script's folder)
 
 W = 5  # K + 1 = 5 verify positions (K = 4)
 BATCH = 8
+SECTIONS = ("selfcheck", "prefill", "models", "kernels")
+PREFILL_LENGTHS = (512, 4096, 32768)  # prompt tokens of the prefill rows on a GPU (--smoke: 70, a chunk + a tail)
 
 @dataclass(frozen=True)
 class Dims:
@@ -376,6 +387,179 @@ def check_sampling(c: Ctx, d: Dims, ops) -> list[Row]:
     return rows
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# first contact: the launch table, the startup self-check, the prefill kernels at the 9B shape
+# ---------------------------------------------------------------------------------------------------------------
+
+@dataclass
+class LaunchRow:
+    kernel: str
+    config: str
+    smem_kb: float
+    limit_kb: float | None
+
+    @property
+    def ok(self) -> bool:
+        return self.limit_kb is None or self.smem_kb <= self.limit_kb
+
+
+def launch_rows(cc: tuple[int, int] | None, dtype: torch.dtype, dims: dict[str, int]) -> list[LaunchRow]:
+    """Every launch-table entry's config for (cc, dtype, dims) with its static shared-memory estimate and the
+    device's limit (engine/model/ops/launch.py). CPU-checkable: cc is a plain tuple."""
+    from engine.model.ops import launch
+
+    lim = launch.smem_limit(cc)
+    out = []
+    for name, e in launch.TABLE.items():
+        sub = {k: dims[k] for k in e.dims}
+        cfg = launch.choose(name, dtype, cc, **sub)
+        blocks = " ".join(f"{k}={v}" for k, v in cfg.blocks)
+        out.append(LaunchRow(name, f"{blocks} warps={cfg.num_warps} stages={cfg.num_stages}",
+                             launch.smem_bytes(name, cfg, dtype, **sub) / 1024, None if lim is None else lim / 1024))
+    return out
+
+
+def print_launch_table(rows: list[LaunchRow], cc: tuple[int, int] | None, dtype: torch.dtype) -> None:
+    print(f"\n## Launch table (compute capability {'interpreter' if cc is None else '%d.%d' % cc}, "
+          f"{str(dtype)[6:]})\n")
+    print("| kernel | config | shared memory (est.) | limit | fits |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        lim = "-" if r.limit_kb is None else f"{r.limit_kb:.0f} KB"
+        print(f"| {r.kernel} | {r.config} | {r.smem_kb:.1f} KB | {lim} | {'yes' if r.ok else 'NO'} |")
+
+
+def model_dims(cfg) -> dict[str, int]:
+    """The dims the launch table reads, from a Qwen35Config."""
+    from engine.model.ops import launch
+    from engine.model.ops._triton import cdiv
+
+    return dict(hd=cfg.head_dim, dk=cfg.linear_key_head_dim, dv=cfg.linear_value_head_dim, H=cfg.hidden_size,
+                nv=cfg.linear_num_value_heads, nch=cdiv(cfg.vocab_size, launch.RACE_CHUNK))
+
+
+def selfcheck_rows(cfg, name: str, device: str) -> list:
+    """The startup self-check (engine/selfcheck.py) at `cfg`'s shapes on `device`: one Check per kernel. A kernel
+    that fails falls back to its twin for the rest of the run, as it would in the server."""
+    import gpu_model as gm
+    from engine import selfcheck
+
+    return [gm.Check(name, f"self-check {c.kernel} ({c.seconds:.1f} s)", c.ok, c.detail)
+            for c in selfcheck.check_kernels(cfg, device)]
+
+
+#: the 9B shape of the prefill rows (shared/reference/qwen35-architecture.md section 1.3) and the tiny smoke one
+PREFILL_9B = dict(name="Qwen3.5-9B shape", nk=16, nv=32, dk=128, dv=128, nh=16, nkv=4, hd=256, H=4096, I=12288,
+                  gdn_layers=24, attn_layers=8)
+PREFILL_TINY = dict(name="tiny", nk=2, nv=4, dk=16, dv=16, nh=2, nkv=1, hd=16, H=64, I=96, gdn_layers=1,
+                    attn_layers=1)
+
+
+def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """The torch peer of a prompt chunk from position 0: causal SDPA (flash) over contiguous K/V whose heads are
+    already repeated for the query heads (no boolean mask, no GQA flag: flash stays eligible)."""
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                       scale=scale)
+    return o.transpose(1, 2)
+
+
+def prefill_rows(c: Ctx, d: dict, lengths: tuple[int, ...], twin_max: int = 4096) -> tuple[list, list]:
+    """Prefill through the new kernels, called directly, one prompt of T tokens from position 0 per length: the
+    chunked GDN kernel and the prefill attention kernel of one layer each (vs the torch chunked form and causal
+    SDPA), the prefill-tiling matmuls of one layer of each kind, and the whole model's tokens/s from their sum
+    (layers x kernels; norms, convs, gates and the LM head left out). Checks: each kernel vs its twin at the
+    first length."""
+    import gpu_model as gm
+
+    name, steps, checks, dev = d["name"], [], [], c.device
+    C = 2 * d["nk"] * d["dk"] + d["nv"] * d["dv"]
+    gdn_w = [(C, d["H"]), (d["nv"] * d["dv"], d["H"]), (d["H"], d["nv"] * d["dv"])]  # in_proj_qkv, z, out_proj
+    attn_w = [(2 * d["nh"] * d["hd"], d["H"]), (2 * d["nkv"] * d["hd"], d["H"]), (d["H"], d["nh"] * d["hd"])]
+    mlp_w = [(2 * d["I"], d["H"]), (d["H"], d["I"])]  # fused gate|up, down
+    zero = torch.zeros(1, dtype=torch.long, device=dev)
+    for T in lengths:
+        try:
+            s_, c_ = _prefill_length(c, d, T, T == lengths[0], twin_max, (gdn_w, attn_w, mlp_w), zero)
+        except Exception as e:  # noqa: BLE001 - one length's failure (e.g. out of memory) must not hide the others
+            s_, c_ = [], [gm.Check(name, f"prefill {T} tokens", False, f"{type(e).__name__}: {e}")]
+        steps, checks = steps + s_, checks + c_
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+    return steps, checks
+
+
+def _prefill_length(c: Ctx, d: dict, T: int, check: bool, twin_max: int, weights: tuple, zero: torch.Tensor
+                    ) -> tuple[list, list]:
+    """`prefill_rows` for one prompt length (check: also each kernel vs its twin)."""
+    import gpu_model as gm
+    from engine.model.ops import attention as at
+    from engine.model.ops import attention_prefill as ap
+    from engine.model.ops import gdn_prefill as gp
+    from engine.model.ops import matmul as mm
+    from engine.model.ops.gdn import gdn_chunked, l2norm
+
+    name, steps, checks = d["name"], [], []
+    dev, f32 = c.device, torch.float32
+    gdn_w, attn_w, mlp_w = weights
+    iters = 5 if T > 4096 else 20
+    q, k = c.randn(1, T, d["nk"], d["dk"]), c.randn(1, T, d["nk"], d["dk"])
+    v = c.randn(1, T, d["nv"], d["dv"])
+    gl = (-torch.rand(1, T, d["nv"], generator=c.g) * 0.3).to(dev)
+    beta = torch.rand(1, T, d["nv"], generator=c.g).to(dev)
+    rec = torch.zeros(1, 1, d["nv"], d["dk"], d["dv"], dtype=f32, device=dev)
+    gdn = lambda: gp.chunked_gdn(q, k, v, gl, beta, rec, zero, zero, zero, qk_l2norm=True,  # noqa: E731
+                                 out_dtype=c.dtype)
+    t_gdn = c.time_us(gdn, iters)
+    qa, gate = c.randn(1, T, d["nh"], d["hd"]), c.randn(1, T, d["nh"], d["hd"])
+    kc, vc = c.randn(1, T, d["nkv"], d["hd"]), c.randn(1, T, d["nkv"], d["hd"])
+    sc = d["hd"] ** -0.5
+    attn = lambda: ap.prefill_attention(qa, kc, vc, zero, zero, sc, gate)  # noqa: E731
+    t_attn = c.time_us(attn, iters)
+    if check:  # correctness at the first length, vs the twins
+        r0 = rec.clone()
+        o_k = gp.chunked_gdn(q, k, v, gl, beta, r0, zero, zero, zero, qk_l2norm=True)
+        r1 = rec.clone()
+        o_t = gp.chunked_gdn_ref(q, k, v, gl, beta, r1, zero, zero, zero, qk_l2norm=True)
+        err = max(rel_err(o_k, o_t), rel_err(r0, r1))
+        checks.append(gm.Check(name, f"GDN chunk kernel == its twin, {T} tokens", err <= c.tol,
+                               f"max rel err {err:.2e} (tol {c.tol:.0e})"))
+        err = rel_err(attn(), at.attention_ref(qa, kc, vc, zero, zero, sc, gate))
+        checks.append(gm.Check(name, f"prefill attention kernel == its twin, {T} tokens", err <= c.tol,
+                               f"max rel err {err:.2e} (tol {c.tol:.0e})"))
+    t_twin = None
+    if c.timing and T <= twin_max:
+        r = d["nv"] // d["nk"]
+        qe = l2norm(q.float().repeat_interleave(r, 2)) * d["dk"] ** -0.5
+        ke = l2norm(k.float().repeat_interleave(r, 2))
+        t_twin = c.time_us(lambda: gdn_chunked(qe, ke, v.float(), gl, beta, rec[:, 0]), 3)
+    r = d["nh"] // d["nkv"]
+    kx, vx = kc.repeat_interleave(r, 2), vc.repeat_interleave(r, 2)
+    t_sdpa = c.time_us(lambda: _sdpa_causal(qa, kx, vx, sc) * torch.sigmoid(gate), iters)
+    del kx, vx
+    mm_us: dict[tuple[int, int], float | None] = {}
+    for N, K in {*gdn_w, *attn_w, *mlp_w}:
+        x, w = c.randn(T, K), c.randn(N, K, scale=K ** -0.5)
+        mm_us[(N, K)] = c.time_us(lambda: mm.matmul(x, w, phase="prefill"), iters)
+        del x, w
+    steps.append(gm.Step(name, f"GDN chunk kernel, {T} tokens, one layer", 1, None if t_gdn is None else
+                         t_gdn / 1e3, None if not (t_gdn and t_twin) else t_twin / t_gdn,
+                         "torch chunked form's time / ours"))
+    steps.append(gm.Step(name, f"prefill attention kernel, {T} tokens, one layer", 1,
+                         None if t_attn is None else t_attn / 1e3,
+                         None if not (t_attn and t_sdpa) else t_sdpa / t_attn, "causal SDPA's time / ours"))
+    total = None
+    if c.timing:
+        layer = lambda ws: sum(mm_us[w] for w in ws)  # noqa: E731
+        total = (d["gdn_layers"] * (t_gdn + layer(gdn_w)) + d["attn_layers"] * (t_attn + layer(attn_w))
+                 + (d["gdn_layers"] + d["attn_layers"]) * layer(mlp_w))
+    steps.append(gm.Step(name, f"prefill {T} tokens through the kernels ({d['gdn_layers']} GDN + "
+                               f"{d['attn_layers']} attention layers: their kernels and prefill matmuls; norms, "
+                               "conv, gates, LM head left out) (tokens/s)", 1,
+                         None if total is None else total / 1e3, None if total is None else T / total * 1e6,
+                         "tokens/s"))
+    return steps, checks
+
+
 def copy_bandwidth_gbps(device: str) -> float:
     n = 1 << 29  # 1 GiB of fp16
     src = torch.empty(n, dtype=torch.float16, device=device)
@@ -425,10 +609,12 @@ def print_table(rows: list[Row], timing: bool) -> None:
         print(line)
 
 
-def write_json(path: Path, rows: list[Row], steps: list, checks: list, meta: dict) -> None:
+def write_json(path: Path, rows: list[Row], steps: list, checks: list, meta: dict,
+               launch: list[LaunchRow] = ()) -> None:
     path.write_text(json.dumps({"meta": meta, "kernels": [r.__dict__ | {"ok": r.ok} for r in rows],
                                 "steps": [s_.__dict__ for s_ in steps],
-                                "checks": [c_.__dict__ for c_ in checks]}, indent=1, default=str))
+                                "checks": [c_.__dict__ for c_ in checks],
+                                "launch": [r.__dict__ | {"ok": r.ok} for r in launch]}, indent=1, default=str))
 
 
 def print_goals(steps: list) -> None:
@@ -468,12 +654,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --smoke: kernels in bf16 and the bf16 tiny model only (the test suite's variant)")
     ap.add_argument("--json", type=Path, help="also write the rows as JSON (rewritten after every section)")
     ap.add_argument("--md", type=Path, help="also write the printed markdown to this file")
-    ap.add_argument("--sections", default="kernels,models", help="comma list of: kernels, models")
+    ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of: {', '.join(SECTIONS)} (run in "
+                                                                      "that order on a GPU)")
     ap.add_argument("--budget-s", type=float, default=360.0,
                     help="on the GPU, start no model section nor the kernel section with under 60 s of this budget "
                          "left, nor a model's end-to-end part or its transformers peer once it is spent (default "
                          "360: with the imports and the last section's overrun the run fits in 8 minutes)")
     args = ap.parse_args(argv)
+    unknown = set(args.sections.split(",")) - set(SECTIONS)
+    if unknown:
+        ap.error(f"unknown section(s) {', '.join(sorted(unknown))} (choose from {', '.join(SECTIONS)})")
     if args.md:
         sys.stdout = Tee(args.md)  # type: ignore[assignment]
     try:
@@ -501,11 +691,13 @@ def run(args: argparse.Namespace) -> int:
     import triton
 
     import gpu_model as gm
+    from engine.model.ops import dispatch
 
     device = "cuda" if cuda else "cpu"
     rows: list[Row] = []
     steps: list = []
     checks: list = []
+    launch: list[LaunchRow] = []
     bw = copy_bandwidth_gbps(device) if cuda else None
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "argv": sys.argv[1:],
             "device": torch.cuda.get_device_name() if cuda else "cpu (TRITON_INTERPRET=1)",
@@ -513,13 +705,38 @@ def run(args: argparse.Namespace) -> int:
 
     def save() -> None:
         if args.json:
-            write_json(args.json, rows, steps, checks, meta)
+            write_json(args.json, rows, steps, checks, meta, launch)
         sys.stdout.flush()
 
     print(f"# bench/gpu.py {' '.join(sys.argv[1:])} on {meta['device']}: torch {meta['torch']}, "
           f"triton {meta['triton']}, {meta['date']}")
     if bw is not None:
         print(f"copy bandwidth (read + write): {bw:.0f} GB/s")
+    if "selfcheck" in sections:  # first contact: the launch table and every kernel against its twin
+        cfg, shape = (gm.QWEN_9B, "9B shape") if not args.smoke else (gm.specs(True, True)[0].cfg, "tiny bf16")
+        cc = torch.cuda.get_device_capability() if cuda else (9, 0)  # a CPU shows what an H200 would launch
+        launch = launch_rows(cc, cfg.dtype, model_dims(cfg))
+        print_launch_table(launch, cc, cfg.dtype)
+        checks += [gm.Check(shape, f"launch table: {r.kernel} fits shared memory", r.ok,
+                            f"{r.smem_kb:.0f} KB > {r.limit_kb:.0f} KB" if not r.ok else "") for r in launch]
+        t0 = time.monotonic()
+        with nullcontext() if cuda else dispatch.force_kernels():
+            sc = selfcheck_rows(cfg, shape, device)
+        checks += sc
+        gm.print_model_tables([], sc, checks_title=f"Startup self-check at the {shape}: each kernel vs its twin "
+                                                   f"({time.monotonic() - t0:.0f} s)")
+        save()
+    if "prefill" in sections:
+        if deadline - time.monotonic() >= 60:
+            st, ch = prefill_rows(Ctx(device, torch.bfloat16, timing=cuda), PREFILL_TINY if args.smoke else PREFILL_9B,
+                                  (70,) if args.smoke else PREFILL_LENGTHS)
+            steps += st
+            checks += ch
+            gm.print_model_tables(st, ch, "Prefill through the new kernels, called directly",
+                                  "Prefill kernels vs their twins")
+        else:
+            checks.append(gm.Check("-", "prefill section", None, "skipped: out of budget"))
+        save()
     if args.smoke and "kernels" in sections:  # on the CPU first (cheap); on the GPU after the models (below)
         dtypes = (torch.bfloat16,) if args.quick else (torch.float32, torch.bfloat16)
         for dt in dtypes:

@@ -2,8 +2,9 @@
 (engine/model/ops) and the scheduler's CUDA graphs (engine/graphs.py), in bf16.
 
 Per model: the HBM floor of a decode step (bytes of the weights a step reads / measured copy bandwidth), the
-step times at batch 1 and 8 (plain decode = verify T=1, verify T=K+1 for K=1..4, MTP draft depth, as graph
-replays), prefill tokens/s, end-to-end greedy tokens/s through the scheduler and transformers `generate` as
+startup time (kernel self-check + CUDA graph capture, as `nextn serve` does it), the step times at batch 1 and 8
+(plain decode = verify T=1, verify T=K+1 for K=1..4, MTP draft depth, a K=3 round, as graph replays), prefill
+tokens/s, end-to-end greedy tokens/s through the scheduler and transformers `generate` as
 the peer; and the exactness checks in the model dtype: a session's logits bitwise equal alone or batched and
 at T=1 or inside T=K+1, the MTP draft alone == batched, greedy spec == plain greedy token for token (K=1..4,
 forced drafts so every acceptance length occurs), and our logits vs transformers' on the same weights.
@@ -65,11 +66,18 @@ def _cfg(name: str, *, H: int, layers: int, nh: int, nkv: int, nv: int, V: int =
         mtp_num_hidden_layers=1, dtype=dtype, **kw)
 
 
+#: Qwen3.5 shapes (shared/reference/qwen35-architecture.md section 1.3), bf16
+QWEN_0_8B = _cfg("0.8B", H=1024, I=3584, layers=24, nh=8, nkv=2, nv=16, tied=True)
+QWEN_9B = _cfg("9B", H=4096, I=12288, layers=32, nh=16, nkv=4, nv=32)
+QWEN_35B_8L = _cfg("35B-A3B", H=2048, layers=8, nh=16, nkv=2, nv=32, moe=(256, 8, 512, 512))
+TINY = dict(H=64, layers=2, nh=2, nkv=1, nv=4, V=512, dk=16, hd=16, nk=2)
+
+
 def specs(smoke: bool, quick: bool = False) -> list[ModelSpec]:
     """The models of a run: on the GPU the three Qwen3.5 shapes; --smoke tiny ones (fp32 dense and MoE with the
     transformers cross-check, bf16 dense); --smoke --quick the bf16 dense one alone (the test's variant)."""
     if smoke:
-        tiny = dict(H=64, layers=2, nh=2, nkv=1, nv=4, V=512, dk=16, hd=16, nk=2)
+        tiny = TINY
         bf16 = ModelSpec("tiny dense bf16", _cfg("tiny", I=96, **tiny), 20, 40, 16, 8, False, 3)
         if quick:  # shorter contexts and runs, the same checks
             return [dataclasses.replace(bf16, ctx=12, prompt=24, new=6)]
@@ -78,13 +86,12 @@ def specs(smoke: bool, quick: bool = False) -> list[ModelSpec]:
                 ModelSpec("tiny MoE", _cfg("tiny", moe=(6, 2, 32, 48), **tiny, dtype=torch.float32), 20, 40, 16, 8,
                           True, 3)]
     return [
-        ModelSpec("Qwen3.5-0.8B shape", _cfg("0.8B", H=1024, I=3584, layers=24, nh=8, nkv=2, nv=16, tied=True),
-                  1024, 4096, 512, 64, True),
-        ModelSpec("Qwen3.5-9B shape", _cfg("9B", H=4096, I=12288, layers=32, nh=16, nkv=4, nv=32),
-                  1024, 4096, 512, 64, True),
-        ModelSpec("Qwen3.5-35B-A3B shape, 8 of 40 layers",
-                  _cfg("35B-A3B", H=2048, layers=8, nh=16, nkv=2, nv=32, moe=(256, 8, 512, 512)),
-                  1024, 4096, 512, 48, False),
+        ModelSpec("Qwen3.5-0.8B shape", QWEN_0_8B, 1024, 4096, 512, 64, True),
+        ModelSpec("Qwen3.5-9B shape", QWEN_9B, 1024, 4096, 512, 64, True),
+        ModelSpec("Qwen3.5-35B-A3B shape, 8 of 40 layers", QWEN_35B_8L, 1024, 4096, 512, 48, False),
+        # --- FP8 rows: Qwen's block-128 FP8 checkpoints (engine/loader.py, W8A16 matmul in ops/matmul_fp8.py) go
+        # here as ModelSpecs of the same shapes with FP8 weights, so each gets the same step rows (decode and
+        # K = 3 rounds against the HBM floor of its 1-byte weights) and the bitwise spec == plain check ---
     ]
 
 
@@ -265,6 +272,7 @@ def _step_rows(spec: ModelSpec, m: Qwen35ForCausalLM, dev: str,
     wb = weight_bytes(m)
     floor = wb / (copy_gbps * 1e9) * 1e3 if copy_gbps else None
     steps = [Step(name, f"HBM floor ({wb / 1e9:.2f} GB of weights per decode step)", 1, floor)]
+    steps.append(startup_row(spec, m, dev))
     _prefill_tps(dataclasses.replace(spec, prompt=spec.chunk), m, dev, 1)  # warm-up: compiles the chunk's kernels
     for B in (1, B8):
         steps.append(Step(name, f"prefill, {spec.prompt // B} tokens x {B}, chunks of {spec.chunk} (tokens/s)", B,
@@ -335,6 +343,11 @@ def _step_rows(spec: ModelSpec, m: Qwen35ForCausalLM, dev: str,
         lim = 0.3 if cfg.hidden_size <= 1024 else 0.15
         steps.append(Step(name, "MTP draft depth (T=1, with the LM head)", B, ms, ratio, "plain decode",
                           f"<= {lim}x", None if ratio is None else ratio <= lim))
+        v4 = next(s_.ms for s_ in steps if s_.step == "verify K+1=4" and s_.batch == B)
+        k3 = 3 * ms + v4 if ms is not None and v4 is not None else None  # a K = 3 round's forwards
+        ref, vs = (floor, "HBM floor") if B == 1 else (plain[B], "plain decode")
+        steps.append(Step(name, "K=3 round (3 MTP draft steps + verify T=4)", B, k3,
+                          k3 / ref if k3 and ref else None, vs))
     if dev == "cuda":  # the step times above are graph replays only if every capture succeeded
         checks.append(Check(name, "the timed steps ran as CUDA graph replays", runner.capture and runner.num_graphs > 0,
                             f"{runner.num_graphs} graphs captured" + ("" if runner.capture else
@@ -342,6 +355,26 @@ def _step_rows(spec: ModelSpec, m: Qwen35ForCausalLM, dev: str,
     for x in ss:
         sched.remove(x)
     return steps, checks
+
+
+def startup_row(spec: ModelSpec, m: Qwen35ForCausalLM, dev: str) -> Step:
+    """What `nextn serve` does before the first request, timed: the kernel self-check at this model's shapes and
+    the capture of every CUDA graph of a max-num-seqs 8, K = 3 scheduler (engine/selfcheck.py `startup`). The
+    first model of a run pays Triton's compiles; later ones find most kernels in its cache."""
+    from engine import selfcheck
+
+    sched = Scheduler(m, max_num_seqs=8 if dev == "cuda" else 2, max_model_len=spec.ctx + 64, k=3,
+                      max_num_batched_tokens=512, step_graphs=True)
+    _sync(dev)
+    t0 = time.perf_counter()
+    rep = selfcheck.startup(m, sched.runner)
+    _sync(dev)
+    sec = time.perf_counter() - t0
+    g = rep.graphs
+    what = "no graphs on a CPU" if g is None else f"{len(g.captured)} CUDA graphs captured, {len(g.eager)} eager"
+    bad = [c.kernel for c in rep.kernels if not c.ok]
+    return Step(spec.name, f"startup: kernel self-check ({len(rep.kernels) - len(bad)}/{len(rep.kernels)} pass) + "
+                           f"{what} (s)", 8 if dev == "cuda" else 2, None, sec, "seconds")
 
 
 def _e2e_rows(spec: ModelSpec, m: Qwen35ForCausalLM, dev: str, deadline: float) -> tuple[list[Step], list[Check]]:
@@ -460,18 +493,22 @@ def peer_rows(spec: ModelSpec, m: Qwen35ForCausalLM, prompt: list[int], n: int, 
                  ">= 10x", ratio >= 10 if dev == "cuda" else None)], checks
 
 
-def print_model_tables(steps: list[Step], checks: list[Check]) -> None:
-    print("\n## Whole-model steps\n")
-    print("| model | step | batch | ms | ratio | vs | goal | met |")
-    print("|---|---|---|---|---|---|---|---|")
+def print_model_tables(steps: list[Step], checks: list[Check], steps_title: str = "Whole-model steps",
+                       checks_title: str = "Whole-model checks") -> None:
+    if steps:
+        print(f"\n## {steps_title}\n")
+        print("| model | step | batch | ms | ratio | vs | goal | met |")
+        print("|---|---|---|---|---|---|---|---|")
     for s in steps:
         ms = "-" if s.ms is None else f"{s.ms:.3f}"
-        ratio = "-" if s.ratio is None else (f"{s.ratio:.0f}" if s.vs == "tokens/s" else f"{s.ratio:.2f}x")
+        ratio = "-" if s.ratio is None else (f"{s.ratio:.0f}" if s.vs == "tokens/s" else
+                                             f"{s.ratio:.1f}" if s.vs == "seconds" else f"{s.ratio:.2f}x")
         met = "-" if s.met is None else ("yes" if s.met else "NO")
         print(f"| {s.model} | {s.step} | {s.batch} | {ms} | {ratio} | {s.vs} | {s.goal} | {met} |")
-    print("\n## Whole-model checks\n")
-    print("| model | check | result | detail |")
-    print("|---|---|---|---|")
+    if checks:
+        print(f"\n## {checks_title}\n")
+        print("| model | check | result | detail |")
+        print("|---|---|---|---|")
     for c in checks:
         result = "SKIP" if c.ok is None else ("PASS" if c.ok else "FAIL")
         print(f"| {c.model} | {c.check} | {result} | {c.detail} |")

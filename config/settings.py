@@ -122,6 +122,10 @@ class ServeSettings(BaseModel):
                           "MLP with AVX2 + FMA), "
                           "built with the system C compiler on first use (torch ops when there is none; "
                           "--no-cpu-kernel: always torch ops)")
+    kernels: Literal["auto", "strict"] = Field(
+        "auto", description="cuda: every Triton kernel is checked against its torch twin at startup; auto = a kernel "
+                            "that fails runs its twin instead (logged, in /health and the nextn_kernel_info gauge), "
+                            "strict = any failed kernel or CUDA graph capture stops the server (exit 1; for a GPU CI)")
     engine_process: bool = Field(
         True, description="run the engine (model, scheduler) in its own process, so the HTTP event loop's work "
                           "never waits on the engine's GIL nor the engine on the loop's (--no-engine-process: one "
@@ -135,7 +139,7 @@ class ServeSettings(BaseModel):
         description="research door, diagnostic only (measured NO-GO): arm the OPTIPIPE increment-2 controller "
                     "with threshold Q on p(d1)*p(d2), a finite number in [0, 1] (default: absent = off)")
 
-    @field_validator("device", "dtype", "metrics_compat", "log_level", mode="before")
+    @field_validator("device", "dtype", "kernels", "metrics_compat", "log_level", mode="before")
     @classmethod
     def _lower(cls, v: Any) -> Any:
         return v.lower() if isinstance(v, str) else v

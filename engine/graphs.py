@@ -12,9 +12,12 @@ Rows are host lists (slots, pos0, cur, last), known on the host before the round
 `EagerRunner` (CPU; CUDA sessions run without a scheduler) runs the forward as is: on the torch path (CPU) with
 the host `FwdCtx` the round always used, on the kernel path with a device-only `FwdCtx.from_tensors`.
 
-`GraphRunner` (the scheduler's, on CUDA) keeps static input buffers and one CUDA graph per (kind, bucket B, T),
-captured lazily: the first call of a key runs eagerly (it compiles the kernels and does that call's real work),
-then the same body is captured, which records without executing, so live sessions' state is never touched.
+`GraphRunner` (the scheduler's, on CUDA) keeps static input buffers and one CUDA graph per (kind, bucket B, T).
+`capture_all()` captures every key the pool allows at startup, before any session holds a slot: per key one
+eager call (it compiles the kernels; its rows are pool slots 0..B-1 at position 0, which no session holds yet)
+then the capture of the same body, which records without executing. A key whose capture fails runs eagerly,
+that key alone, for the life of the runner (logged once). A key not captured at startup is captured on its
+first call (run eagerly, then captured).
 N rows run in the smallest bucket B >= N; the B - N padding rows point at scratch pool slots of their own
 (reserved by the scheduler, never a session's) at position 0 with live window slot 0, so their K/V and GDN
 writes land in dead memory and every real row's result is bitwise what it is without them (the kernels'
@@ -28,7 +31,8 @@ graph's outputs and a later graph's intermediates is harmless.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 import torch
@@ -120,6 +124,16 @@ class _Step:
     hidden: torch.Tensor | None  # [B, T, H] model dtype (draft)
     out: tuple[torch.Tensor, ...] = ()
     graph: "torch.cuda.CUDAGraph | None" = None
+    failed: str | None = None  # why its capture failed: this key runs eagerly from then on
+
+
+@dataclass
+class CaptureReport:
+    """What `GraphRunner.capture_all` did: the keys captured, the keys left eager (key -> why), the seconds."""
+
+    captured: list[str] = field(default_factory=list)
+    eager: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
 
 
 class GraphRunner:
@@ -146,6 +160,40 @@ class GraphRunner:
     @property
     def num_graphs(self) -> int:
         return sum(s.graph is not None for s in self._steps.values())
+
+    def step_keys(self) -> list[tuple[str, int, int]]:
+        """Every (kind, bucket, T) a round can run through this runner: verify at T = 1..window (plain decode and
+        K + 1 = 2..window) and, when the pool has an MTP part, the draft at T = 1..window (depth 0 writes 1..K+1
+        queued rows; chained depths have T = 1), for every bucket."""
+        kinds = ("verify", "draft") if self.pool.mtp is not None else ("verify",)
+        return [(k, B, T) for k in kinds for B in self.buckets for T in range(1, self.pool.window + 1)]
+
+    @torch.inference_mode()
+    def capture_all(self, on_each: Callable[[], object] | None = None) -> CaptureReport:
+        """Capture the graph of every `step_keys()` key now (nothing on a CPU: no graphs there). Call it before
+        any session holds a pool slot: each key's warm-up call writes K/V and GDN state rows of slots 0..B-1 at
+        position 0. A failed capture leaves that key eager (logged); `on_each()` is called after each key."""
+        t0 = time.monotonic()
+        rep = CaptureReport()
+        for kind, B, T in self.step_keys() if self.capture else []:
+            st = self._step(kind, B, T)
+            body = self._verify_body if kind == "verify" else self._draft_body
+            if st.graph is None and st.failed is None:
+                st.ix.zero_()
+                st.ix[0] = torch.arange(B, device=self.device)  # distinct free slots, position 0, window slot 0
+                body(st)  # compiles this key's kernels
+                self._capture(st, body)
+            name = _key(kind, B, T)
+            if st.failed is not None:
+                rep.eager[name] = st.failed
+            elif st.graph is not None:
+                rep.captured.append(name)
+            if on_each is not None:
+                on_each()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        rep.seconds = time.monotonic() - t0
+        return rep
 
     def bucket(self, n: int) -> int | None:
         """The smallest bucket holding n rows (None: more rows than the largest bucket)."""
@@ -220,20 +268,28 @@ class GraphRunner:
         return h, m.logits(h[:, 0], out=self.logits[:B])
 
     def _run(self, st: _Step, body: Callable[[_Step], tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
-        if not self.capture:
-            return body(st)
-        if st.graph is None:
-            out = body(st)  # this call's work, eagerly (compiles the kernels before the capture)
-            graph = torch.cuda.CUDAGraph()
-            try:
-                with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
-                    st.out = body(st)
-            except Exception as e:  # noqa: BLE001 - serve eagerly rather than fail every request
-                self.capture = False
-                log.warning("CUDA graph capture of %s failed (%s: %s); the round runs eagerly from now on",
-                            "x".join(map(str, st.tokens.shape)), type(e).__name__, e)
-                return out
-            st.graph = graph
-            return out
-        st.graph.replay()
-        return st.out
+        if st.graph is not None:
+            st.graph.replay()
+            return st.out
+        out = body(st)  # eagerly: a CPU, a key whose capture failed, or a key's first call (compiles its kernels)
+        if self.capture and st.failed is None:
+            self._capture(st, body)
+        return out
+
+    def _capture(self, st: _Step, body: Callable[[_Step], tuple[torch.Tensor, ...]]) -> None:
+        """Record `body` on st's static buffers as st.graph; on failure keep st eager (st.failed) and log it."""
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
+                st.out = body(st)
+        except Exception as e:  # noqa: BLE001 - serve this key eagerly rather than fail its requests
+            st.failed = f"{type(e).__name__}: {e}".splitlines()[0]
+            B, T = st.tokens.shape
+            log.warning("CUDA graph capture of %s failed (%s); that step runs eagerly from now on",
+                        _key("draft" if st.hidden is not None else "verify", B, T), st.failed)
+            return
+        st.graph = graph
+
+
+def _key(kind: str, B: int, T: int) -> str:
+    return f"{kind} B={B} T={T}"

@@ -112,7 +112,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -453,6 +453,22 @@ class ServingMetrics:
     def observe_grammar_compile(self, s: float) -> None:
         """One grammar compilation (cache misses only)."""
         self._grammar.observe(s)
+
+    # -- startup kernel self-check (engine/selfcheck.py) ------------------------------------------------
+
+    def set_kernel_info(self, impls: Mapping[str, str]) -> None:
+        """``nextn_kernel_info{kernel, impl} 1`` per kernel: impl ``triton`` (it passed its startup check) or
+        ``torch`` (it failed; its twin runs). Registered on the first non-empty call (CUDA); never on a CPU."""
+        if not impls:
+            return
+        with self._lock:
+            if getattr(self, "_kernel_info", None) is None:
+                self._kernel_info = Gauge(_PREFIX + "kernel_info", "Implementation each Triton kernel runs after "
+                                          "the startup self-check (1 per kernel): triton, or torch (its twin).",
+                                          _LABELS + ("kernel", "impl"), registry=self.registry)
+            self._kernel_info.clear()
+            for kernel, impl in impls.items():
+                self._kernel_info.labels(self.model_name, _ENGINE, kernel, impl).set(1)
 
     # -- exposition -----------------------------------------------------------------------------------
 

@@ -28,7 +28,7 @@ import pydantic_core
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -336,6 +336,9 @@ def _invocations_route() -> dict[str, Any]:
 
 class HealthStatus(BaseModel):
     status: str
+    kernels: dict[str, str] | None = Field(
+        None, description="CUDA only: each Triton kernel's startup self-check verdict, triton (it runs) or torch (it "
+                          "failed and its torch twin runs instead)")
 
 
 #: Routes outside /v1 that need the API key (the `tokens` router's).
@@ -446,8 +449,12 @@ async def version(raw: Request) -> p.VersionResponse:
 
 @ops.get("/health", summary="Liveness: the worker thread is alive", responses=_HEALTH_DOCS)
 async def health(raw: Request) -> JSONResponse:
-    alive = raw.app.state.worker.alive
-    return JSONResponse({"status": "ok" if alive else "worker dead"}, status_code=200 if alive else 503)
+    worker = raw.app.state.worker
+    body: dict[str, Any] = {"status": "ok" if worker.alive else "worker dead"}
+    kernels = getattr(worker, "kernel_info", None)
+    if kernels:  # CUDA: each Triton kernel's startup verdict, "triton" or "torch" (its twin runs instead)
+        body["kernels"] = kernels
+    return JSONResponse(body, status_code=200 if worker.alive else 503)
 
 
 @ops.get("/ping", summary="SageMaker's health check (vLLM): as /health", responses=_HEALTH_DOCS)

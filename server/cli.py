@@ -140,11 +140,12 @@ def serve(args: argparse.Namespace) -> int:
     except (ConfigError, CheckpointError, ValueError, OSError) as e:
         return _fail(1, f"cannot load {settings.model_dir}: {e}")
     from engine.scheduler import PoolTooLarge
+    from engine.selfcheck import KernelCheckFailed
     from server.engine_proc import EngineStartError
 
     try:
         return run_server(settings, model, tokenizer)
-    except (PoolTooLarge, EngineStartError) as e:
+    except (PoolTooLarge, EngineStartError, KernelCheckFailed) as e:
         return _fail(1, str(e))
 
 
@@ -176,7 +177,8 @@ def build_server(settings: ServeSettings, model: Any, tokenizer: Any, **worker_k
                             k, settings.spec_draft_p_min, settings.spec_capmax, settings.max_num_seqs,
                             settings.max_model_len, settings.max_num_batched_tokens, settings.prefix_cache_bytes,
                             settings.grammar_max_bytes,
-                            settings.grammar_compile_timeout, settings.grammar_cache_size, **worker_kw)
+                            settings.grammar_compile_timeout, settings.grammar_cache_size, kernels=settings.kernels,
+                            **worker_kw)
         worker = EngineProcess(setup, metrics, max_queue=settings.max_queue, max_num_seqs=settings.max_num_seqs)
         worker.start()  # the child loads the model and reserves its pool; raises when it cannot
         dtype = worker.dtype
@@ -186,9 +188,10 @@ def build_server(settings: ServeSettings, model: Any, tokenizer: Any, **worker_k
         worker = Worker(model, metrics, k=k, p_min=settings.spec_draft_p_min, capmax=settings.spec_capmax,
                         max_num_seqs=settings.max_num_seqs, max_queue=settings.max_queue,
                         max_model_len=settings.max_model_len, max_num_batched_tokens=settings.max_num_batched_tokens,
-                        prefix_cache_bytes=settings.prefix_cache_bytes, **worker_kw)
+                        prefix_cache_bytes=settings.prefix_cache_bytes, kernels=settings.kernels, **worker_kw)
         worker.start()
         dtype = str(cfg.dtype).removeprefix("torch.")
+    metrics.set_kernel_info(worker.kernel_info)
     structured = StructuredOutputs(tokenizer, n_vocab=cfg.vocab_size, metrics=metrics,
                                    max_bytes=settings.grammar_max_bytes, timeout_s=settings.grammar_compile_timeout,
                                    cache_size=settings.grammar_cache_size)

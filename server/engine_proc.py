@@ -68,6 +68,7 @@ class EngineSetup:
     grammar_max_bytes: int
     grammar_timeout_s: float
     grammar_cache_size: int
+    kernels: str = "auto"  # the startup self-check's mode (Worker)
     session_factory: Callable[..., Any] | None = None  # tests inject failures (a module-level callable)
 
 
@@ -207,6 +208,7 @@ def _engine_main(setup: EngineSetup, cmds: Connection, out: Connection) -> None:
     from engine.loader import CheckpointError, load_model
     from engine.model.config import ConfigError
     from engine.scheduler import PoolTooLarge
+    from engine.selfcheck import KernelCheckFailed
     from engine.spec import SpecSession
     from server.worker import Worker
 
@@ -229,8 +231,8 @@ def _engine_main(setup: EngineSetup, cmds: Connection, out: Connection) -> None:
                         max_num_seqs=setup.max_num_seqs, max_queue=1 << 30,  # the parent bounds the queue
                         max_model_len=setup.max_model_len, max_num_batched_tokens=setup.max_num_batched_tokens,
                         prefix_cache_bytes=setup.prefix_cache_bytes,
-                        session_factory=setup.session_factory or SpecSession, outbox=relay)
-    except PoolTooLarge as e:
+                        session_factory=setup.session_factory or SpecSession, outbox=relay, kernels=setup.kernels)
+    except (PoolTooLarge, KernelCheckFailed) as e:
         out.send(("fatal", str(e)))
         return
     except BaseException as e:  # noqa: BLE001 - one line for the parent to print
@@ -249,7 +251,7 @@ def _engine_main(setup: EngineSetup, cmds: Connection, out: Connection) -> None:
             os._exit(70)
 
     threading.Thread(target=watch, name="nextn-engine-watch", daemon=True).start()
-    out.send(("ready", str(model.config.dtype).removeprefix("torch.")))
+    out.send(("ready", str(model.config.dtype).removeprefix("torch."), worker.kernel_info))
     jobs: dict[int, _ChildJob] = {}
     while True:
         try:
@@ -302,6 +304,7 @@ class EngineProcess(Drainable):
         self.setup, self.metrics = setup, metrics
         self.max_queue, self.max_num_seqs = max_queue, max_num_seqs
         self.dtype = "?"
+        self.kernel_info: dict[str, str] = {}  # the child's startup self-check: kernel -> "triton" | "torch"
         self._cv = threading.Condition()
         self._jobs: dict[int, Job] = {}  # sent, no `done` event yet
         self._keys = itertools.count()
@@ -343,7 +346,7 @@ class EngineProcess(Drainable):
         if msg[0] != "ready":
             self._proc.join(30)
             raise EngineStartError(msg[1])
-        self.dtype = msg[1]
+        self.dtype, self.kernel_info = msg[1], msg[2]
         log.info("engine process started (pid %d)", self._proc.pid)
         self._reader = threading.Thread(target=self._read, name="nextn-engine-reader", daemon=True)
         self._reader.start()

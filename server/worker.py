@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.scheduler import Scheduler
+from engine.selfcheck import startup
 from engine.spec import SpecConstraint, SpecSampling, SpecSession, SpecTelemetry
 from metrics.prometheus import ServingMetrics
 
@@ -195,12 +196,14 @@ class Worker(Drainable):
     """Owns the model; `submit` from the event loop, everything else happens on the worker thread.
 
     `session_factory` builds a session with `SpecSession`'s signature (tests subclass it to inject failures).
+    `kernels` ("auto" | "strict"): the startup self-check's mode (`engine.selfcheck.startup`); strict raises
+    `KernelCheckFailed` from here.
     """
 
     def __init__(self, model: Any, metrics: ServingMetrics, *, k: int, p_min: float, capmax: int,
                  max_num_seqs: int, max_queue: int, max_model_len: int, max_num_batched_tokens: int,
                  prefix_cache_bytes: int | None = 0, session_factory: SessionFactory = SpecSession,
-                 outbox: Any = None) -> None:
+                 outbox: Any = None, kernels: str = "auto") -> None:
         self.model = model
         self.metrics = metrics
         self.k, self.p_min, self.capmax = k, p_min, capmax
@@ -213,6 +216,10 @@ class Worker(Drainable):
         self._pc_seen = self.scheduler.prefix_stats()
         if self._pc_seen is not None:
             metrics.set_prefix_cache(self._pc_seen)  # the budget, before the first request
+        # the kernels meet the device and the CUDA graphs are captured before the first request
+        # (engine/selfcheck.py; --kernels strict: any failure is fatal)
+        self.startup = startup(model, self.scheduler.runner, strict=kernels == "strict", progress=True)
+        self.kernel_info = self.startup.kernel_info()  # kernel -> "triton" | "torch" ({} on the torch path)
         self._cv = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
         self._active: dict[SpecSession, _Active] = {}

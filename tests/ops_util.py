@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine.model.ops._triton import HAS_TRITON
+from engine.model.ops.dispatch import tolerance
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: kernels run under TRITON_INTERPRET=1 (conftest)
 DTYPES = [torch.float32, torch.bfloat16]
@@ -32,10 +33,8 @@ def nans(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
 def assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
     """Kernel vs twin: tight in fp32, about one bf16 rounding step in bf16; never NaN."""
     assert not got.isnan().any(), "output has NaN (an element was not written, or bad math)"
-    if got.dtype == torch.float32 and want.dtype == torch.float32:
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    else:
-        torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1e-2)
+    rtol, atol = tolerance(got.dtype, want.dtype)  # the startup self-check's rule (engine/selfcheck.py)
+    torch.testing.assert_close(got.float(), want.float(), rtol=rtol, atol=atol)
 
 
 def assert_bitwise(got: torch.Tensor, want: torch.Tensor, what: str) -> None:

@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import launch
 from ._triton import HAS_TRITON, cdiv, check_triton, tl, triton
 
-ACT_BLOCK = 1024  # columns per program (silu_mul, moe_combine)
 SOFTPLUS_THRESHOLD = 20.0  # torch's F.softplus default: x above it returns x
 
 
@@ -121,7 +121,8 @@ def silu_mul(gu: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     y = out if out is not None else torch.empty(*gu.shape[:-1], I, dtype=gu.dtype, device=gu.device)
     y2 = y.view(-1, I)
     if g2.shape[0]:
-        _silu_mul_kernel[(g2.shape[0], cdiv(I, ACT_BLOCK))](g2, y2, I, g2.stride(0), y2.stride(0), BLOCK=ACT_BLOCK)
+        cfg = launch.get("silu_mul", gu.dtype, gu.device)
+        _silu_mul_kernel[(g2.shape[0], cdiv(I, cfg["BLOCK"]))](g2, y2, I, g2.stride(0), y2.stride(0), **cfg.kwargs())
     return y
 
 
@@ -137,22 +138,23 @@ def gdn_gates(a: torch.Tensor, b: torch.Tensor, neg_a: torch.Tensor,
     beta = torch.empty_like(g)
     if a2.shape[0]:
         _gdn_gates_kernel[(a2.shape[0],)](a2, b2, neg_a, dt_bias, g, beta, nv, a2.stride(0), b2.stride(0),
-                                          BLOCK=triton.next_power_of_2(nv))
+                                          **launch.get("gdn_gates", a.dtype, a.device, nv=nv).kwargs())
     return g, beta
 
 
 def moe_combine(y: torch.Tensor, inv: torch.Tensor, w: torch.Tensor, shared: torch.Tensor,
-                shared_gate: torch.Tensor) -> torch.Tensor:
+                shared_gate: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Triton twin of `moe_combine_ref` (same arguments; y, shared last dim contiguous): one program per
     (token, column block) sums that token's k expert rows in routing-slot order, so a token's result never
-    depends on the other tokens or on how the experts were grouped."""
+    depends on the other tokens or on how the experts were grouped. `out`: a preallocated contiguous [N, H]."""
     check_triton(y, shared)
     N, k = w.shape
     H = shared.shape[-1]
     assert y.stride(-1) == 1 and shared.stride(-1) == 1 and w.stride(-1) == 1
-    out = torch.empty(N, H, dtype=shared.dtype, device=shared.device)
+    out = out if out is not None else torch.empty(N, H, dtype=shared.dtype, device=shared.device)
     if N:
         sg = shared_gate.reshape(N)
-        _moe_combine_kernel[(N, cdiv(H, ACT_BLOCK))](y, inv, w, shared, sg, out, H, y.stride(0), w.stride(0),
-                                                     shared.stride(0), out.stride(0), K=k, BLOCK=ACT_BLOCK)
+        cfg = launch.get("moe_combine", shared.dtype, shared.device)
+        _moe_combine_kernel[(N, cdiv(H, cfg["BLOCK"]))](y, inv, w, shared, sg, out, H, y.stride(0), w.stride(0),
+                                                        shared.stride(0), out.stride(0), K=k, **cfg.kwargs())
     return out

@@ -3,8 +3,15 @@
 CPU (and CUDA without triton) runs the twins, so this module imports and works without triton; one exception:
 `argmax` of fp32 CPU logits runs cpu.py's C pick when it is built, which picks exactly what torch.argmax picks.
 The kernels' contracts (batch invariance, pool layout, what the caller passes) are in their modules:
-matmul.py, matmul_fp8.py, attention.py, gdn_update.py, norm.py, sample.py, act.py. `linear` and `grouped_linear`
-take FP8 weights too (float8_e4m3fn with block scales, matmul_fp8.py): the W8A16 kernel, or its twin.
+matmul.py, matmul_fp8.py, attention.py, gdn_update.py, norm.py, sample.py, act.py, and the prefill pair gdn_prefill.py and
+attention_prefill.py (chunked GDN and causal attention over prompt chunks on the prefill grid). `linear` and
+`grouped_linear` take FP8 weights too (float8_e4m3fn with block scales, matmul_fp8.py): the W8A16 kernel, or its twin.
+
+Per kernel fallback: the startup self-check (engine/selfcheck.py) compiles each kernel on the device and compares
+it with its twin; a kernel that fails is handed to `fall_back(name, why)` and this process runs that op's twin
+from then on (`kernel_impls()` says which ops run what). A twin on CUDA is correct but not batch-invariant (torch
+picks its GEMM and reduction strategy by shape), so exactness across batch sizes then holds only where the
+kernels still run; `--kernels strict` refuses to serve instead.
 
 Tests only: `force_kernels()` makes `use_triton` true for CPU tensors too, so the model's whole kernel path
 (engine/model/qwen35.py, moe.py, engine/graphs.py) runs on a CPU under TRITON_INTERPRET=1. Nothing in the serving
@@ -19,7 +26,9 @@ import torch
 
 from . import act as _act
 from . import attention as _attn
+from . import attention_prefill as _attnp
 from . import cpu as _cpu
+from . import gdn_prefill as _gdnp
 from . import gdn_update as _gdn
 from . import matmul as _mm
 from . import matmul_fp8 as _fp8
@@ -27,17 +36,80 @@ from . import norm as _norm
 from . import sample as _sample
 from ._triton import HAS_TRITON
 
-__all__ = ["HAS_TRITON", "use_triton", "force_kernels", "linear", "grouped_linear", "fp8_linear", "rms_norm",
-           "add_rms_norm", "gated_rms_norm", "attention", "write_kv", "gdn_update", "conv_update", "gdn_gates",
-           "silu_mul", "moe_combine", "argmax", "sample"]
+__all__ = ["HAS_TRITON", "KERNELS", "use_triton", "use_kernel", "fall_back", "kernel_impls", "mismatch", "tolerance",
+           "force_kernels", "linear", "grouped_linear", "fp8_linear", "rms_norm", "add_rms_norm", "gated_rms_norm",
+           "attention", "attention_prefill", "write_kv", "gdn_update", "gdn_prefill", "conv_update", "gdn_gates", "silu_mul",
+           "moe_combine", "argmax", "sample"]
+
+#: the ops below that have a Triton kernel (the names of the startup self-check, the fallbacks, the
+#: `nextn_kernel_info` gauge and /health)
+KERNELS = ("matmul", "grouped_matmul", "rms_norm", "add_rms_norm", "gated_rms_norm", "attention", "gdn_update",
+           "conv_update", "gdn_gates", "silu_mul", "moe_combine", "argmax", "sample", "gdn_prefill",
+           "attention_prefill")
 
 _FORCED = False
+_TWIN: dict[str, str] = {}  # kernel -> why this process runs its twin instead
+
+#: kernel vs twin: (rtol, atol) when both are fp32 (or fp64); any 16-bit side: about one bf16 rounding step
+TOL_FP32 = (1e-5, 1e-5)
+TOL_16BIT = (1.6e-2, 1e-2)
 
 
 def use_triton(t: torch.Tensor) -> bool:
     """Whether ops on `t` run the Triton kernels: triton importable and t on a CUDA device (or, inside the
-    test-only `force_kernels()`, on any device)."""
+    test-only `force_kernels()`, on any device). The model's path choice; each op also asks `use_kernel`."""
     return HAS_TRITON and (t.is_cuda or _FORCED)
+
+
+def use_kernel(name: str, t: torch.Tensor) -> bool:
+    """Whether op `name` on `t` runs its Triton kernel: the kernel path, and the kernel not replaced by its twin."""
+    return use_triton(t) and name not in _TWIN
+
+
+def fall_back(name: str, why: str) -> None:
+    """From now on this process runs op `name`'s torch twin instead of its kernel (`why`: one line, kept for
+    `kernel_impls` readers). Raises KeyError for a name not in KERNELS."""
+    if name not in KERNELS:
+        raise KeyError(f"unknown kernel {name!r}")
+    _TWIN[name] = why
+
+
+def kernel_impls() -> dict[str, str]:
+    """Each kernel's implementation on the kernel path in this process: "triton", or "torch" after a fallback."""
+    return {k: "torch" if k in _TWIN else "triton" for k in KERNELS}
+
+
+def reset_fallbacks() -> None:
+    """Every kernel back on (tests: a fallback is for the life of the process)."""
+    _TWIN.clear()
+
+
+def tolerance(got: torch.dtype, want: torch.dtype) -> tuple[float, float]:
+    """(rtol, atol) a kernel's output of dtype `got` must meet against its twin's of dtype `want`."""
+    wide = (torch.float32, torch.float64)
+    return TOL_FP32 if got in wide and want in wide else TOL_16BIT
+
+
+def mismatch(got: torch.Tensor, want: torch.Tensor) -> str | None:
+    """Why a kernel's output `got` does not match its twin's `want` (None: it does): a shape difference, NaN
+    where the twin has a number (an element not written into a NaN-poisoned buffer, or bad math), integers that
+    differ, or floats beyond `tolerance` (|got - want| <= atol + rtol |want|)."""
+    if got.shape != want.shape:
+        return f"shape {tuple(got.shape)} != twin's {tuple(want.shape)}"
+    if not got.is_floating_point():
+        bad = int((got != want.to(got.dtype)).sum())
+        return f"{bad} of {got.numel()} values differ from the twin's" if bad else None
+    g, w = got.double(), want.double()
+    nan = g.isnan() & ~w.isnan()
+    if nan.any():
+        return f"{int(nan.sum())} of {got.numel()} outputs are NaN (not written, or bad math)"
+    rtol, atol = tolerance(got.dtype, want.dtype)
+    err = (g - w).abs()
+    bad = (err > atol + rtol * w.abs()) & ~(g.isnan() & w.isnan())
+    if bad.any():
+        return f"{int(bad.sum())} of {got.numel()} outputs off the twin by up to {err[bad].max().item():.3g} " \
+               f"(rtol {rtol:g}, atol {atol:g})"
+    return None
 
 
 @contextlib.contextmanager
@@ -55,15 +127,16 @@ def force_kernels() -> Iterator[None]:
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
-           out: torch.Tensor | None = None) -> torch.Tensor:
+           out: torch.Tensor | None = None, phase: str = "step") -> torch.Tensor:
     """x [..., K] @ w [N, K]^T -> [..., N] (batch-invariant on CUDA; the LM head passes out_dtype=fp32).
-    `out`: a contiguous [..., N] buffer to write (a CUDA graph's static logits). An FP8 weight: `fp8_linear`."""
+    `out`: a contiguous [..., N] buffer to write (a CUDA graph's static logits). `phase`: the kernel's tiling,
+    "step" (decode, verify, drafts) or "prefill" (prompt chunks; matmul.py)."""
     if _fp8.is_fp8(w):
         return fp8_linear(x, w, out_dtype, out)
     x2 = x.reshape(-1, x.shape[-1])
     out2 = None if out is None else out.view(-1, w.shape[0])
-    if use_triton(x):
-        y = _mm.matmul(x2, w, out_dtype, out=out2)
+    if use_kernel("matmul", x):
+        y = _mm.matmul(x2, w, out_dtype, out=out2, phase=phase)
     else:
         y = _mm.matmul_ref(x2, w, out_dtype)
         y = y if out2 is None else out2.copy_(y)
@@ -76,9 +149,10 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, rows
     matmul_fp8.grouped_matmul_fp8)."""
     if _fp8.is_fp8(w):
         scale, srows = _fp8.scales(w)
-        fn = _fp8.grouped_matmul_fp8 if use_triton(x) else _fp8.grouped_matmul_fp8_ref
+        fn = _fp8.grouped_matmul_fp8 if use_kernel("grouped_matmul", x) else _fp8.grouped_matmul_fp8_ref
         return fn(x, w, scale, offsets, rows, srows, out_dtype)
-    return (_mm.grouped_matmul if use_triton(x) else _mm.grouped_matmul_ref)(x, w, offsets, rows, out_dtype)
+    fn = _mm.grouped_matmul if use_kernel("grouped_matmul", x) else _mm.grouped_matmul_ref
+    return fn(x, w, offsets, rows, out_dtype)
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
@@ -97,31 +171,52 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None =
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    return (_norm.rms_norm if use_triton(x) else _norm.rms_norm_ref)(x, w, eps)
+    return (_norm.rms_norm if use_kernel("rms_norm", x) else _norm.rms_norm_ref)(x, w, eps)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return (_norm.add_rms_norm if use_triton(x) else _norm.add_rms_norm_ref)(x, residual, w, eps)
+    return (_norm.add_rms_norm if use_kernel("add_rms_norm", x) else _norm.add_rms_norm_ref)(x, residual, w, eps)
 
 
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    return (_norm.gated_rms_norm if use_triton(x) else _norm.gated_rms_norm_ref)(x, z, w, eps)
+    return (_norm.gated_rms_norm if use_kernel("gated_rms_norm", x) else _norm.gated_rms_norm_ref)(x, z, w, eps)
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot: torch.Tensor, pos0: torch.Tensor,
               scale: float, gate: torch.Tensor | None = None) -> torch.Tensor:
-    return (_attn.attention if use_triton(q) else _attn.attention_ref)(q, k_cache, v_cache, slot, pos0, scale, gate)
+    fn = _attn.attention if use_kernel("attention", q) else _attn.attention_ref
+    return fn(q, k_cache, v_cache, slot, pos0, scale, gate)
 
 
 write_kv = _attn.write_kv  # device-side scatter (torch on every device)
+
+
+def attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot: torch.Tensor,
+                      pos0: torch.Tensor, scale: float, gate: torch.Tensor | None = None) -> torch.Tensor:
+    """Prompt chunks: query t of row i attends keys [0, pos0[i] + t] of its slot (attention_prefill.py)."""
+    fn = _attnp.prefill_attention if use_kernel("attention_prefill", q) else _attnp.prefill_attention_ref
+    return fn(q, k_cache, v_cache, slot, pos0, scale, gate)
+
+
+def gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                rec: torch.Tensor, slot: torch.Tensor, cur: torch.Tensor, dst: torch.Tensor,
+                lens: torch.Tensor | None = None, qk_l2norm: bool = False,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Prompt chunks: chunked GDN over N rows x T tokens from rec[slot, cur], final state to rec[slot, dst]; o
+    [N, T, nv, dv] in out_dtype (default rec's dtype) (gdn_prefill.py)."""
+    if use_kernel("gdn_prefill", q):
+        return _gdnp.chunked_gdn(q, k, v, g, beta, rec, slot, cur, dst, lens, qk_l2norm=qk_l2norm,
+                                 out_dtype=out_dtype or rec.dtype)
+    o = _gdnp.chunked_gdn_ref(q, k, v, g, beta, rec, slot, cur, dst, lens, qk_l2norm=qk_l2norm)
+    return o if out_dtype is None else o.to(out_dtype)
 
 
 def gdn_update(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                rec: torch.Tensor, slot: torch.Tensor, cur: torch.Tensor, qk_l2norm: bool = False,
                out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """o [N, T, nv, dv] in out_dtype (default rec's dtype); writes rec[slot, t] (gdn_update.py)."""
-    if use_triton(q):
+    if use_kernel("gdn_update", q):
         return _gdn.gdn_update(q, k, v, g, beta, rec, slot, cur, qk_l2norm=qk_l2norm,
                                out_dtype=out_dtype or rec.dtype)
     o = _gdn.gdn_update_ref(q, k, v, g, beta, rec, slot, cur, qk_l2norm=qk_l2norm)
@@ -130,26 +225,26 @@ def gdn_update(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
 
 def conv_update(x: torch.Tensor, conv: torch.Tensor, weight: torch.Tensor, slot: torch.Tensor,
                 cur: torch.Tensor) -> torch.Tensor:
-    fast = use_triton(x) and weight.shape[-1] == 4  # the kernel is written for Kc == 4 (every Qwen3.5 config)
+    fast = use_kernel("conv_update", x) and weight.shape[-1] == 4  # the kernel is for Kc == 4 (every Qwen3.5 config)
     return (_gdn.conv_update if fast else _gdn.conv_update_ref)(x, conv, weight, slot, cur)
 
 
 def gdn_gates(a: torch.Tensor, b: torch.Tensor, neg_a: torch.Tensor,
               dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return (_act.gdn_gates if use_triton(a) else _act.gdn_gates_ref)(a, b, neg_a, dt_bias)
+    return (_act.gdn_gates if use_kernel("gdn_gates", a) else _act.gdn_gates_ref)(a, b, neg_a, dt_bias)
 
 
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:
-    return (_act.silu_mul if use_triton(gu) else _act.silu_mul_ref)(gu)
+    return (_act.silu_mul if use_kernel("silu_mul", gu) else _act.silu_mul_ref)(gu)
 
 
 def moe_combine(y: torch.Tensor, inv: torch.Tensor, w: torch.Tensor, shared: torch.Tensor,
                 shared_gate: torch.Tensor) -> torch.Tensor:
-    return (_act.moe_combine if use_triton(y) else _act.moe_combine_ref)(y, inv, w, shared, shared_gate)
+    return (_act.moe_combine if use_kernel("moe_combine", y) else _act.moe_combine_ref)(y, inv, w, shared, shared_gate)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
-    if use_triton(logits):
+    if use_kernel("argmax", logits):
         return _sample.argmax(logits)
     out = _cpu.argmax_or_none(logits)  # fp32 on the CPU: the C kernel, torch.argmax's picks exactly
     return out if out is not None else _sample.argmax_ref(logits)
@@ -157,5 +252,5 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, inv_temperature: torch.Tensor, threshold: torch.Tensor, seed: torch.Tensor,
            offset: torch.Tensor) -> torch.Tensor:
-    fn = _sample.sample if use_triton(logits) else _sample.sample_ref
+    fn = _sample.sample if use_kernel("sample", logits) else _sample.sample_ref
     return fn(logits, inv_temperature, threshold, seed, offset)

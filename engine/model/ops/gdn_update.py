@@ -25,19 +25,17 @@ Chunked GDN for prefill (`gdn_prefill`): the choice, and why.
     SGLang run for this model). It is not the default because it cannot be tested here (no GPU; fla-core
     next to triton on a CPU machine breaks transformers' Qwen3.5, see environment.md section 3), it has to
     travel to the GPU machine as a wheel, and it is an extra dependency for a path whose speed only matters
-    for long prompts. bench/gpu.py times both and compares them with the recurrence when fla is importable;
-    phase 2 makes fla the CUDA default if that check passes (a chunk kernel of our own is not worth
-    writing before the GPU numbers say the torch form is the bottleneck).
+    for long prompts.
+  * Our own Triton chunk kernel over the state pool is gdn_prefill.py (the same WY form, chunks on the
+    prefill grid); bench/gpu.py times it at the 9B shape.
 """
 from __future__ import annotations
 
 import torch
 
+from . import launch
 from ._triton import HAS_TRITON, cdiv, check_triton, tl, triton
 from .gdn import causal_conv_window, gdn_chunked, gdn_recurrent, l2norm
-
-GDN_BLOCK_V = 32  # dv columns of the state per program (state tile dk x 32 in registers)
-CONV_BLOCK_C = 128  # channels per program
 
 
 def _expand_qk(q: torch.Tensor, k: torch.Tensor, nv: int, qk_l2norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,13 +183,13 @@ def gdn_update(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     o = out if out is not None else torch.empty(N, T, nv, dv, dtype=out_dtype, device=q.device)
     if N == 0 or T == 0:
         return o
-    grid = (N * nv, cdiv(dv, GDN_BLOCK_V))
+    cfg = launch.get("gdn_update", rec.dtype, q.device, dk=dk, dv=dv)  # BV dv columns of the state per program
+    grid = (N * nv, cdiv(dv, cfg["BV"]))
     _gdn_kernel[grid](q, k, v, g, beta, rec, slot, cur, o, T, nv, nv // nk, dk ** -0.5,
                       q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                       v.stride(0), v.stride(1), v.stride(2), g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
                       rec.stride(0), rec.stride(1), rec.stride(2), o.stride(0), o.stride(1), o.stride(2),
-                      DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=min(GDN_BLOCK_V, triton.next_power_of_2(dv)),
-                      L2NORM=qk_l2norm, num_warps=4)
+                      DK=dk, DV=dv, L2NORM=qk_l2norm, **cfg.kwargs())
     return o
 
 
@@ -213,7 +211,8 @@ def conv_update(x: torch.Tensor, conv: torch.Tensor, weight: torch.Tensor, slot:
     y = out if out is not None else torch.empty(N, T, C, dtype=x.dtype, device=x.device)
     if N == 0 or T == 0:
         return y
-    _conv_kernel[(N, cdiv(C, CONV_BLOCK_C))](x, conv, weight, slot, cur, y, T, C, x.stride(0), x.stride(1),
-                                                    conv.stride(0), conv.stride(1), conv.stride(2), weight.stride(0),
-                                                    y.stride(0), y.stride(1), KC=kc, BC=CONV_BLOCK_C, num_warps=4)
+    cfg = launch.get("conv_update", x.dtype, x.device)
+    _conv_kernel[(N, cdiv(C, cfg["BC"]))](x, conv, weight, slot, cur, y, T, C, x.stride(0), x.stride(1),
+                                          conv.stride(0), conv.stride(1), conv.stride(2), weight.stride(0),
+                                          y.stride(0), y.stride(1), KC=kc, **cfg.kwargs())
     return y

@@ -1,10 +1,15 @@
 """Batch-invariant matmul y = x @ w^T (every linear layer, the LM head) and its grouped-by-expert form (MoE).
 
 Contract (batch invariance): row m of y depends only on x[m] and w, never on how many rows the launch has or
-what the other rows hold. The kernel gets this from a tiling fixed per weight shape: BLOCK_M/N/K and the
-K split (`matmul_config`) are functions of (N, K) only, every K block is accumulated in fp32 in the same
-order for every row, and a K split (when N alone gives too few programs) is reduced by a second kernel
-that sums the fixed number of fp32 partials in index order. Nothing is chosen from M.
+what the other rows hold. The kernel gets this from a tiling fixed per weight shape: the block sizes come from
+the launch table (launch.py: per dtype and device, never per M) and the K split (`matmul_config`) is a
+function of (N, K) and the tiling only, every K block is accumulated in fp32 in the same order for every row,
+and a K split (when N alone gives too few programs) is reduced by a second kernel that sums the fixed number
+of fp32 partials in index order. Nothing is chosen from M.
+
+Two tilings (`phase`): "step" (decode, verify, MTP drafts; the default) and "prefill" (prompt chunks: larger
+tiles). Each is batch-invariant per row; they may round a row differently from each other, so verify and
+decode both use "step", and a prompt chunk always "prefill" (launch.py says why).
 
 Twins: `matmul_ref`, `grouped_matmul_ref` (fp32 accumulate, output dtype of x unless `out_dtype`).
 """
@@ -12,24 +17,24 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import HAS_TRITON, INTERPRET, cdiv, check_triton, tl, triton
+from . import launch
+from ._triton import HAS_TRITON, cdiv, check_triton, tl, triton
 
-BLOCK_M = 16 if INTERPRET else 64  # dense: every row of a decode/verify batch (<= 64 rows) shares one weight
-# pass; a row's result never depends on BLOCK_M, and the interpreter pays for every padded row
-BLOCK_M_GROUPED = 16  # MoE: a few rows per expert
-BLOCK_N = 64
-BLOCK_K = 64
 TARGET_PROGRAMS = 264  # about two waves of an H200's 132 SMs; only sets the K split, from (N, K)
 MIN_K_BLOCKS_PER_SPLIT = 4
+PHASES = ("step", "prefill")
 
 
-def matmul_config(N: int, K: int) -> tuple[int, int]:
-    """(k_per_split, split_k) for a weight [N, K]: a function of the weight shape only (never of M)."""
-    k_blocks = cdiv(K, BLOCK_K)
-    n_tiles = cdiv(N, BLOCK_N)
+def matmul_config(N: int, K: int, cfg: launch.Launch | None = None) -> tuple[int, int]:
+    """(k_per_split, split_k) for a weight [N, K] under the tiling `cfg` (default: the interpreter's "step"
+    tiling): a function of the weight shape and the tiling only (never of M)."""
+    cfg = cfg if cfg is not None else launch.choose("matmul/step", torch.float32, None)
+    bk = cfg["BK"]
+    k_blocks = cdiv(K, bk)
+    n_tiles = cdiv(N, cfg["BN"])
     split = max(1, min(k_blocks // MIN_K_BLOCKS_PER_SPLIT, TARGET_PROGRAMS // n_tiles))
     per = cdiv(k_blocks, split)  # K blocks per split; no empty split
-    return per * BLOCK_K, cdiv(k_blocks, per)
+    return per * bk, cdiv(k_blocks, per)
 
 
 def _acc_dtype(dt: torch.dtype) -> torch.dtype:
@@ -151,47 +156,56 @@ if HAS_TRITON:
 
 def _launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, M: int, N: int, K: int, split_k: int | None,
             grouped: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None, rows: torch.Tensor | None,
-            bm: int, m_tiles: int) -> None:
-    k_per, split = matmul_config(N, K)
+            cfg: launch.Launch, m_tiles: int) -> None:
+    k_per, split = matmul_config(N, K, cfg)
     if split_k is not None:  # explicit override (tests, prefill); still never derived from M
-        k_per = cdiv(cdiv(K, BLOCK_K), split_k) * BLOCK_K
+        k_per = cdiv(cdiv(K, cfg["BK"]), split_k) * cfg["BK"]
         split = cdiv(K, k_per)
     part = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else y
     dummy = y
     te, tr, offs, E = grouped if grouped is not None else (dummy, dummy, dummy, 1)
     swe = w.stride(0) if grouped is not None else 0
     swn, swk = w.stride(-2), w.stride(-1)
-    grid = (m_tiles, cdiv(N, BLOCK_N), split)
+    grid = (m_tiles, cdiv(N, cfg["BN"]), split)
     _matmul_kernel[grid](x, w, y, part, rows if rows is not None else dummy, te, tr, offs, M, N, K, E, k_per,
                          x.stride(0), x.stride(1), swe, swn, swk, y.stride(0), y.stride(1),
-                         BM=bm, BN=BLOCK_N, BK=BLOCK_K, GROUPED=grouped is not None, GATHER=rows is not None,
-                         SPLIT=split > 1, IEEE=x.dtype == torch.float32, num_warps=4)
+                         GROUPED=grouped is not None, GATHER=rows is not None, SPLIT=split > 1,
+                         IEEE=x.dtype == torch.float32, **cfg.kwargs())
     if split > 1:
-        blk = 1024
-        _split_reduce_kernel[(cdiv(M * N, blk),)](part, y, M * N, N, split, y.stride(0), y.stride(1), BLOCK=blk)
+        red = launch.get("matmul/split_reduce", y.dtype, y.device)
+        _split_reduce_kernel[(cdiv(M * N, red["BLOCK"]),)](part, y, M * N, N, split, y.stride(0), y.stride(1),
+                                                           **red.kwargs())
 
 
 def matmul(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None, split_k: int | None = None,
-           out: torch.Tensor | None = None) -> torch.Tensor:
+           out: torch.Tensor | None = None, phase: str = "step") -> torch.Tensor:
     """Triton: x [M, K] @ w [N, K]^T -> y [M, N] (fp32 accumulate; out_dtype default x.dtype, fp32 for logits).
 
     Any strides. `split_k` overrides the (N, K)-derived K split (still independent of M). `out`: a [M, N]
-    buffer to write (static buffers under CUDA graphs)."""
+    buffer to write (static buffers under CUDA graphs). `phase`: the tiling family, "step" (decode, verify,
+    drafts) or "prefill" (prompt chunks); see the module docstring."""
     check_triton(x, w)
+    if phase not in PHASES:
+        raise ValueError(f"unknown matmul phase {phase!r} ({', '.join(PHASES)})")
     M, K = x.shape
     N = w.shape[0]
     assert w.shape[1] == K, (x.shape, w.shape)
     y = out if out is not None else torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
     if M == 0:
         return y
-    _launch(x, w, y, M, N, K, split_k, None, None, BLOCK_M, cdiv(M, BLOCK_M))
+    cfg = launch.get(f"matmul/{phase}", x.dtype, x.device)
+    if phase == "prefill" and split_k is None:
+        split_k = 1  # prompt chunks bring rows enough to fill the device: never a K split (fixed, not from M)
+    _launch(x, w, y, M, N, K, split_k, None, None, cfg, cdiv(M, cfg["BM"]))
     return y
 
 
-def expert_tiles(offsets: torch.Tensor, M: int, block_m: int = BLOCK_M_GROUPED) -> tuple[torch.Tensor, torch.Tensor, int]:
+def expert_tiles(offsets: torch.Tensor, M: int, block_m: int | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Static tile map for the grouped kernel, device-side: (tile_expert [n], tile_row0 [n], n) with
     n = cdiv(M, block_m) + min(E, M) (an upper bound, so the grid does not depend on the routing);
-    spare tiles have expert E."""
+    spare tiles have expert E. block_m: the grouped tiling's BM (default: the table's for this device)."""
+    if block_m is None:
+        block_m = launch.get("matmul/grouped", torch.float32, offsets.device)["BM"]
     E = offsets.numel() - 1
     n = cdiv(M, block_m) + min(E, M)
     offsets = offsets.to(torch.int64)
@@ -206,18 +220,20 @@ def expert_tiles(offsets: torch.Tensor, M: int, block_m: int = BLOCK_M_GROUPED) 
 
 
 def grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, rows: torch.Tensor | None = None,
-                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                   out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Triton: sorted row m of expert e -> x[rows[m]] @ w[e]^T, y [M, N] in sorted order.
 
     x [R, K]; w [E, N, K]; offsets [E+1] int (from `group_by_expert`; offsets[E] == M); rows [M] int64 gather
-    indices into x (None: x is already sorted, M = R). No host sync: the grid is an upper bound."""
+    indices into x (None: x is already sorted, M = R). No host sync: the grid is an upper bound. `out`: a
+    preallocated y."""
     check_triton(x, w)
     M = rows.numel() if rows is not None else x.shape[0]
     E, N, K = w.shape
-    y = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
+    y = out if out is not None else torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
     if M == 0:
         return y
-    te, tr, n = expert_tiles(offsets, M)
+    cfg = launch.get("matmul/grouped", x.dtype, x.device)
+    te, tr, n = expert_tiles(offsets, M, cfg["BM"])
     offs = offsets.to(device=x.device, dtype=torch.int32)
-    _launch(x, w, y, M, N, K, None, (te, tr, offs, E), rows, BLOCK_M_GROUPED, n)
+    _launch(x, w, y, M, N, K, None, (te, tr, offs, E), rows, cfg, n)
     return y

@@ -12,9 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._triton import HAS_TRITON, INTERPRET, cdiv, check_triton, tl, triton
-
-ROWS_PER_PROGRAM = 16 if INTERPRET else 1  # the interpreter pays per program; a GPU wants one row per program
+from . import launch
+from ._triton import HAS_TRITON, cdiv, check_triton, tl, triton
 
 
 def _f(x: torch.Tensor) -> torch.Tensor:
@@ -137,11 +136,10 @@ def _launch(x: torch.Tensor, w: torch.Tensor, eps: float, mode: int, res: torch.
     z2 = _rows(z) if z is not None else x2
     n = x2.shape[0]
     if n:
-        _rms_norm_kernel[(cdiv(n, ROWS_PER_PROGRAM),)](x2, r2, w, y2, s2, z2, H, eps, x2.stride(0), r2.stride(0),
-                                                       y2.stride(0), s2.stride(0), z2.stride(0), n,
-                                                       BLOCK=triton.next_power_of_2(H), MODE=mode,
-                                                       RESIDUAL=res is not None, ROWS=ROWS_PER_PROGRAM,
-                                                       num_warps=4 if H <= 2048 else 8)
+        cfg = launch.get("rms_norm", x.dtype, x.device, H=H)  # ROWS rows per program, BLOCK >= H columns
+        _rms_norm_kernel[(cdiv(n, cfg["ROWS"]),)](x2, r2, w, y2, s2, z2, H, eps, x2.stride(0), r2.stride(0),
+                                                  y2.stride(0), s2.stride(0), z2.stride(0), n, MODE=mode,
+                                                  RESIDUAL=res is not None, **cfg.kwargs())
     return y, s
 
 

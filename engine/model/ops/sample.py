@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import torch
 
+from . import launch
 from ._triton import HAS_TRITON, cdiv, check_triton, tl, triton
 
-CHUNK = 4096  # logits per program in the first pass
+CHUNK = launch.RACE_CHUNK  # logits per program in the first pass
 _M32 = 0xFFFFFFFF
 _PHILOX_KEY = (0x9E3779B9, 0xBB67AE85)
 _PHILOX_ROUND = (0xD2511F53, 0xCD9E8D57)
@@ -152,8 +153,10 @@ def _race(logits: torch.Tensor, sample: bool, inv_t: torch.Tensor | None = None,
     d = logits
     _race_chunk_kernel[(N, nch)](logits, d if inv_t is None else inv_t, d if thr is None else thr,
                                  d if seed is None else seed, d if offset is None else offset, part_v, part_i, V,
-                                 logits.stride(0), nch, CHUNK=CHUNK, SAMPLE=sample, num_warps=8)
-    _race_merge_kernel[(N,)](part_v, part_i, out, nch, BLOCK=triton.next_power_of_2(nch))
+                                 logits.stride(0), nch, SAMPLE=sample,
+                                 **launch.get("race/chunk", logits.dtype, logits.device).kwargs())
+    _race_merge_kernel[(N,)](part_v, part_i, out, nch,
+                             **launch.get("race/merge", logits.dtype, logits.device, nch=nch).kwargs())
     return out
 
 

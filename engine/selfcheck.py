@@ -1,0 +1,363 @@
+"""Kernels meet the device at startup: every Triton kernel of the model's path is compiled for the model's shapes
+and dtype and compared with its torch twin on random inputs on the device, before the first request.
+
+`check_kernels(cfg, device)` runs one check per kernel (`dispatch.KERNELS`): the kernel wrapper writes into
+NaN-poisoned output buffers, the twin computes the same from the same inputs, and `dispatch.mismatch` applies
+the twin's tolerance rule (the kernel tests' rule). A kernel that raises (a compile failure, out of shared
+memory, a launch error) or does not match is replaced by its twin for this process (`dispatch.fall_back`),
+named in one log line, and reported as impl "torch" (the `nextn_kernel_info` gauge, /health's detail).
+
+`startup(model, runner, strict=..., progress=...)` is what the server calls once the state pool exists and before
+any session holds a slot: on the kernel path it runs the check, then captures the scheduler's CUDA graphs
+(engine/graphs.py `GraphRunner.capture_all`), with one progress bar over both (as the loader shows one), logs
+each part's time, and with strict raises `KernelCheckFailed` (one line) on any failure. On the torch path (CPU)
+it does nothing.
+
+Tests drive the check on a CPU under TRITON_INTERPRET=1 inside `dispatch.force_kernels()`, and inject failures
+by replacing a kernel wrapper in its module (the check and the model look the wrappers up at call time); nothing
+in the serving path can reach a fault.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from .graphs import CaptureReport, GraphRunner
+from .model.config import Qwen35Config
+from .model.ops import act as _act
+from .model.ops import attention as _attn
+from .model.ops import attention_prefill as _attnp
+from .model.ops import dispatch as ops
+from .model.ops import gdn_prefill as _gdnp
+from .model.ops import gdn_update as _gdn
+from .model.ops import matmul as _mm
+from .model.ops import norm as _norm
+from .model.ops import sample as _sample
+
+log = logging.getLogger(__name__)
+
+Outputs = list[tuple[str, torch.Tensor, torch.Tensor]]  # (what, kernel's, twin's)
+
+
+class KernelCheckFailed(RuntimeError):
+    """A kernel failed its startup check under `--kernels strict`; `str(err)` is one line."""
+
+
+@dataclass
+class KernelCheck:
+    """One kernel's verdict: ok (it runs), else why it failed (its twin runs instead)."""
+
+    kernel: str
+    ok: bool
+    detail: str = ""
+    seconds: float = 0.0
+
+    @property
+    def impl(self) -> str:
+        return "triton" if self.ok else "torch"
+
+
+@dataclass
+class Startup:
+    """What `startup` did (empty on the torch path): the kernel verdicts, the graph captures, the seconds."""
+
+    kernels: list[KernelCheck] = field(default_factory=list)
+    graphs: CaptureReport | None = None
+    seconds: float = 0.0
+
+    def kernel_info(self) -> dict[str, str]:
+        """kernel -> "triton" | "torch", for every kernel checked ({} when none was)."""
+        return {c.kernel: c.impl for c in self.kernels}
+
+
+class _Rand:
+    """Seeded inputs on the device in the model dtype, and NaN-poisoned output buffers."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, seed: int = 0):
+        self.device, self.dtype = device, dtype
+        self.g = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(self, *shape: int, scale: float = 1.0, dtype: torch.dtype | None = None) -> torch.Tensor:
+        x = torch.randn(*shape, generator=self.g, device=self.device, dtype=torch.float32) * scale
+        return x.to(dtype or self.dtype)
+
+    def rand(self, *shape: int) -> torch.Tensor:
+        return torch.rand(*shape, generator=self.g, device=self.device, dtype=torch.float32)
+
+    def nans(self, *shape: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return torch.full(shape, float("nan"), dtype=dtype or self.dtype, device=self.device)
+
+    def ints(self, *shape: int) -> torch.Tensor:
+        return torch.full(shape, -1, dtype=torch.int64, device=self.device)
+
+    def idx(self, *v: int) -> torch.Tensor:
+        return torch.tensor(v, dtype=torch.int64, device=self.device)
+
+
+# ----------------------------------------------------------------------------------------------------- the checks
+# One function per kernel: (config, inputs) -> [(what, kernel output, twin output)], at the model's head sizes,
+# hidden size and dtype, with few rows (the shapes a kernel's compiled variant depends on).
+
+def _matmul(c: Qwen35Config, r: _Rand) -> Outputs:
+    H, inner = c.hidden_size, c.intermediate_size or c.moe_intermediate_size or c.hidden_size
+    out = []
+    # the LM head (fp32 logits, many N tiles: no K split), a narrow weight (a K split), the prefill tiling
+    for N, K, odt, phase in ((min(c.vocab_size, 8549), H, torch.float32, "step"), (200, inner, None, "step"),
+                             (264, H, None, "prefill")):
+        w, x = r.randn(N, K, scale=K ** -0.5), r.randn(3, K)
+        y = _mm.matmul(x, w, odt, out=r.nans(3, N, dtype=odt), phase=phase)
+        out.append((f"[{N}x{K}] {phase}", y, _mm.matmul_ref(x, w, odt)))
+    return out
+
+
+def _grouped(c: Qwen35Config, r: _Rand) -> Outputs:
+    E, k = min(c.num_experts, 4), min(c.num_experts_per_tok, 2)
+    H, Im = c.hidden_size, c.moe_intermediate_size
+    x, w = r.randn(5, H), r.randn(E, 2 * Im, H, scale=H ** -0.5)
+    idx = torch.stack([torch.randperm(E, generator=r.g, device=r.device)[:k] for _ in range(5)])  # [5, k]
+    order, offsets = _mm.group_by_expert(idx, E)
+    rows = order // k
+    y = _mm.grouped_matmul(x, w, offsets, rows, out=r.nans(5 * k, 2 * Im))
+    return [("gate_up", y, _mm.grouped_matmul_ref(x, w, offsets, rows))]
+
+
+def _moe_combine(c: Qwen35Config, r: _Rand) -> Outputs:
+    N, k, H = 3, c.num_experts_per_tok, c.hidden_size
+    y, inv = r.randn(N * k, H), torch.randperm(N * k, generator=r.g, device=r.device)
+    w = torch.softmax(r.randn(N, k, dtype=torch.float32), -1).to(r.dtype)
+    sh, sg = r.randn(N, H), r.randn(N, 1)
+    got = _act.moe_combine(y, inv, w, sh, sg, out=r.nans(N, H))
+    return [("combine", got, _act.moe_combine_ref(y, inv, w, sh, sg))]
+
+
+def _rms_norm(c: Qwen35Config, r: _Rand) -> Outputs:
+    x, w = r.randn(3, c.hidden_size), r.randn(c.hidden_size, scale=0.1)
+    return [("norm", _norm.rms_norm(x, w, c.rms_norm_eps, out=r.nans(3, c.hidden_size)),
+             _norm.rms_norm_ref(x, w, c.rms_norm_eps))]
+
+
+def _add_rms_norm(c: Qwen35Config, r: _Rand) -> Outputs:
+    H = c.hidden_size
+    x, res, w = r.randn(3, H), r.randn(3, H), r.randn(H, scale=0.1)
+    y, s = _norm.add_rms_norm(x, res, w, c.rms_norm_eps, out=r.nans(3, H), out_sum=r.nans(3, H))
+    y_t, s_t = _norm.add_rms_norm_ref(x, res, w, c.rms_norm_eps)
+    return [("norm", y, y_t), ("sum", s, s_t)]
+
+
+def _gated_rms_norm(c: Qwen35Config, r: _Rand) -> Outputs:
+    nv, dv = c.linear_num_value_heads, c.linear_value_head_dim
+    x, z, w = r.randn(3, nv, dv), r.randn(3, nv, dv), 1 + r.randn(dv, scale=0.1)
+    return [("norm", _norm.gated_rms_norm(x, z, w, c.rms_norm_eps, out=r.nans(3, nv, dv)),
+             _norm.gated_rms_norm_ref(x, z, w, c.rms_norm_eps))]
+
+
+def _attention(c: Qwen35Config, r: _Rand) -> Outputs:
+    nh, nkv, hd, L, T = c.num_attention_heads, c.num_key_value_heads, c.head_dim, 296, 3
+    kc, vc = r.randn(3, L, nkv, hd), r.randn(3, L, nkv, hd)
+    q, gate = r.randn(2, T, nh, hd), r.randn(2, T, nh, hd)
+    slot, pos0 = r.idx(2, 0), r.idx(290, 37)  # 293 keys: two KV splits; 40: one
+    o = _attn.attention(q, kc, vc, slot, pos0, hd ** -0.5, gate, out=r.nans(2, T, nh, hd))
+    return [("gated", o, _attn.attention_ref(q, kc, vc, slot, pos0, hd ** -0.5, gate))]
+
+
+def _attention_prefill(c: Qwen35Config, r: _Rand) -> Outputs:
+    nh, nkv, hd, L, T = c.num_attention_heads, c.num_key_value_heads, c.head_dim, 128, 40
+    kc, vc = r.randn(3, L, nkv, hd), r.randn(3, L, nkv, hd)
+    q, gate = r.randn(2, T, nh, hd), r.randn(2, T, nh, hd)
+    slot, pos0 = r.idx(2, 0), r.idx(64, 3)  # a chunk on the grid, and one at any position
+    o = _attnp.prefill_attention(q, kc, vc, slot, pos0, hd ** -0.5, gate, out=r.nans(2, T, nh, hd))
+    return [("causal", o, _attnp.prefill_attention_ref(q, kc, vc, slot, pos0, hd ** -0.5, gate))]
+
+
+def _gdn_window(r: _Rand, shape: tuple[int, ...], dtype: torch.dtype, slot: torch.Tensor, T: int) -> torch.Tensor:
+    """A [S, W, ...] pool of random states whose window slots 0..T-1 of `slot` (the ones a step writes) are NaN."""
+    p = r.randn(*shape, scale=0.3, dtype=dtype)
+    p[slot[:, None], torch.arange(T, device=r.device)[None, :]] = float("nan")
+    return p
+
+
+def _gdn_update(c: Qwen35Config, r: _Rand) -> Outputs:
+    nk, dk, nv, dv, T = c.linear_num_key_heads, c.linear_key_head_dim, c.linear_num_value_heads, \
+        c.linear_value_head_dim, 2
+    q, k, v = r.randn(2, T, nk, dk), r.randn(2, T, nk, dk), r.randn(2, T, nv, dv)
+    g, beta = -r.rand(2, T, nv), r.rand(2, T, nv)
+    slot, cur = r.idx(2, 0), r.idx(2, 2)  # reads window slot 2, writes 0 and 1
+    rec = _gdn_window(r, (3, 3, nv, dk, dv), torch.float32, slot, T)
+    rec_t = rec.clone()
+    o = _gdn.gdn_update(q, k, v, g, beta, rec, slot, cur, qk_l2norm=True, out=r.nans(2, T, nv, dv))
+    o_t = _gdn.gdn_update_ref(q, k, v, g, beta, rec_t, slot, cur, qk_l2norm=True)
+    return [("output", o, o_t), ("states", rec[slot, :T], rec_t[slot, :T])]
+
+
+def _gdn_prefill(c: Qwen35Config, r: _Rand) -> Outputs:
+    nk, dk, nv, dv, T = c.linear_num_key_heads, c.linear_key_head_dim, c.linear_num_value_heads, \
+        c.linear_value_head_dim, 70
+    q, k, v = r.randn(2, T, nk, dk), r.randn(2, T, nk, dk), r.randn(2, T, nv, dv)
+    g, beta = -r.rand(2, T, nv), r.rand(2, T, nv)
+    slot, cur, dst, lens = r.idx(2, 0), r.idx(1, 0), r.idx(0, 1), r.idx(T, 9)  # a chunk and a tail; a short row
+    rec = r.randn(3, 2, nv, dk, dv, scale=0.3, dtype=torch.float32)
+    rec[slot, dst] = float("nan")
+    rec_t = rec.clone()
+    o = _gdnp.chunked_gdn(q, k, v, g, beta, rec, slot, cur, dst, lens, qk_l2norm=True, out_dtype=r.dtype,
+                          out=r.nans(2, T, nv, dv))
+    o_t = _gdnp.chunked_gdn_ref(q, k, v, g, beta, rec_t, slot, cur, dst, lens, qk_l2norm=True)
+    return [("output", o[0], o_t[0]), ("short row", o[1, :9], o_t[1, :9]),
+            ("states", rec[slot, dst], rec_t[slot, dst])]
+
+
+def _conv_update(c: Qwen35Config, r: _Rand) -> Outputs:
+    C, T = c.gdn_conv_dim, 2
+    x, w = r.randn(2, T, C), r.randn(C, c.linear_conv_kernel_dim, scale=0.5)
+    slot, cur = r.idx(2, 0), r.idx(2, 2)
+    conv = _gdn_window(r, (3, 3, C, c.linear_conv_kernel_dim - 1), r.dtype, slot, T)
+    conv_t = conv.float()
+    y = _gdn.conv_update(x, conv, w, slot, cur, out=r.nans(2, T, C))
+    y_t = _gdn.conv_update_ref(x.float(), conv_t, w.float(), slot, cur)  # the kernel sums the taps in fp32
+    return [("output", y, y_t.to(r.dtype)), ("windows", conv[slot, :T], conv_t[slot, :T].to(r.dtype))]
+
+
+def _gdn_gates(c: Qwen35Config, r: _Rand) -> Outputs:
+    nv = c.linear_num_value_heads
+    a, b = r.randn(4, nv, scale=3.0), r.randn(4, nv, scale=3.0)
+    neg_a, dtb = -r.rand(nv).exp(), r.randn(nv, dtype=torch.float32)
+    g, beta = _act.gdn_gates(a, b, neg_a, dtb)
+    g_t, beta_t = _act.gdn_gates_ref(a, b, neg_a, dtb)
+    return [("g", g, g_t), ("beta", beta, beta_t)]
+
+
+def _silu_mul(c: Qwen35Config, r: _Rand) -> Outputs:
+    inner = c.intermediate_size or c.moe_intermediate_size or c.hidden_size
+    gu = r.randn(3, 2 * inner, scale=2.0)
+    return [("swiglu", _act.silu_mul(gu, out=r.nans(3, inner)), _act.silu_mul_ref(gu))]
+
+
+def _argmax(c: Qwen35Config, r: _Rand) -> Outputs:
+    lg = r.randn(3, c.vocab_size, scale=3.0, dtype=torch.float32)
+    lg[0, [1, c.vocab_size - 1]] = 100.0  # a tie: the lowest index
+    return [("greedy", _sample.argmax(lg, out=r.ints(3)), _sample.argmax_ref(lg))]
+
+
+def _sample_(c: Qwen35Config, r: _Rand) -> Outputs:
+    lg = r.randn(4, c.vocab_size, scale=3.0, dtype=torch.float32)
+    inv_t = torch.tensor([0.0, 0.5, 1.0, 2.0], device=r.device)
+    top_p = torch.tensor([1.0, 0.95, 0.9, 1.0], device=r.device)
+    thr = _sample.sampling_thresholds(lg, inv_t, r.idx(0, 20, 0, 50), top_p, torch.zeros(4, device=r.device))
+    seed, off = r.idx(1, 2, 3, 4), r.idx(0, 4, 8, 12)
+    got = _sample.sample(lg, inv_t, thr, seed, off, out=r.ints(4))
+    return [("race", got, _sample.sample_ref(lg, inv_t, thr, seed, off))]
+
+
+#: kernel name (dispatch.KERNELS) -> its check; the order of the startup check
+CHECKS: dict[str, Callable[[Qwen35Config, _Rand], Outputs]] = {
+    "matmul": _matmul, "grouped_matmul": _grouped, "moe_combine": _moe_combine, "rms_norm": _rms_norm,
+    "add_rms_norm": _add_rms_norm, "gated_rms_norm": _gated_rms_norm, "attention": _attention,
+    "gdn_update": _gdn_update, "conv_update": _conv_update, "gdn_gates": _gdn_gates, "silu_mul": _silu_mul,
+    "argmax": _argmax, "sample": _sample_, "gdn_prefill": _gdn_prefill, "attention_prefill": _attention_prefill,
+}
+
+
+def kernels_for(cfg: Qwen35Config) -> list[str]:
+    """The kernels `cfg`'s model runs (the MoE pair only for a MoE model, the GDN ones only with GDN layers)."""
+    gdn = "linear_attention" in cfg.layer_types
+    skip = set() if cfg.is_moe else {"grouped_matmul", "moe_combine"}
+    if not gdn:
+        skip |= {"gdn_update", "conv_update", "gdn_gates", "gated_rms_norm", "gdn_prefill"}
+    return [k for k in CHECKS if k not in skip]
+
+
+def _one(name: str, cfg: Qwen35Config, device: torch.device) -> KernelCheck:
+    t0 = time.monotonic()
+    try:
+        with torch.inference_mode():
+            outs = CHECKS[name](cfg, _Rand(device, cfg.dtype))
+            bad = [f"{what}: {why}" for what, got, want in outs if (why := ops.mismatch(got, want)) is not None]
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+    except Exception as e:  # noqa: BLE001 - any failure (compile, resources, launch) sends the op to its twin
+        _usable(device, name, e)
+        first = (str(e).strip().splitlines() or [""])[0]
+        bad = [f"{type(e).__name__}: {first}" if first else type(e).__name__]
+    return KernelCheck(name, not bad, "; ".join(bad), time.monotonic() - t0)
+
+
+def _usable(device: torch.device, name: str, err: BaseException) -> None:
+    """After a kernel raised on CUDA: the context must still work (an illegal address is sticky), else fatal."""
+    if device.type != "cuda":
+        return
+    try:
+        torch.cuda.synchronize(device)
+        torch.zeros(1, device=device).add_(1).item()
+    except Exception as e:  # noqa: BLE001
+        raise KernelCheckFailed(f"the device is unusable after kernel {name} failed its startup check "
+                                f"({type(err).__name__}: {err}); restart the server") from e
+
+
+def check_kernels(cfg: Qwen35Config, device: torch.device | str,
+                  on_each: Callable[[], object] | None = None) -> list[KernelCheck]:
+    """Check every kernel `cfg`'s model runs, on `device` in cfg.dtype (module docstring). Each failure is logged
+    (one line per kernel) and its op falls back to its twin for this process. `on_each()` after each kernel."""
+    device = torch.device(device)
+    out = []
+    for name in kernels_for(cfg):
+        c = _one(name, cfg, device)
+        if not c.ok:
+            ops.fall_back(name, c.detail)
+            log.warning("kernel %s failed its startup check (%s): this process runs its torch twin instead, whose "
+                        "results may depend on the batch", name, c.detail)
+        out.append(c)
+        if on_each is not None:
+            on_each()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def startup(model: torch.nn.Module, runner: GraphRunner | object | None = None, *, strict: bool = False,
+            progress: bool = False) -> Startup:
+    """The startup checks of a model on the kernel path (CUDA; or CPU inside the test-only force_kernels()):
+    every kernel against its twin, then, when `runner` is the scheduler's `GraphRunner`, every CUDA graph the
+    pool allows (`GraphRunner.capture_all`; after the check, so graphs record the kernels that passed). Call it
+    before any session holds a pool slot. One progress bar over both when `progress`; one summary line each.
+    Raises `KernelCheckFailed` when `strict` and a kernel or a capture failed (after logging it). The torch
+    path: Startup() and nothing done."""
+    w = model.lm_head.weight
+    if not ops.use_triton(w):
+        return Startup()
+    cfg = model.config
+    names = kernels_for(cfg)
+    graphs = runner if isinstance(runner, GraphRunner) and runner.capture else None
+    t0 = time.monotonic()
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        total = len(names) + (len(graphs.step_keys()) if graphs is not None else 0)
+        bar = tqdm(total=total, desc="startup: kernel self-check + CUDA graphs", unit="step")
+    try:
+        each = bar.update if bar is not None else None
+        checks = check_kernels(cfg, w.device, on_each=each)
+        failed = [c for c in checks if not c.ok]
+        log.info("kernel self-check: %d of %d kernels match their twins on %s (%s) in %.1f s%s",
+                 len(checks) - len(failed), len(checks), w.device, str(cfg.dtype).removeprefix("torch."),
+                 time.monotonic() - t0, "" if not failed else "; on their torch twin: " +
+                 ", ".join(c.kernel for c in failed))
+        if strict and failed:
+            raise KernelCheckFailed("--kernels strict: " + "; ".join(
+                f"kernel {c.kernel} failed its startup check ({c.detail})" for c in failed))
+        cap = graphs.capture_all(on_each=each) if graphs is not None else None
+    finally:
+        if bar is not None:
+            bar.close()
+    if cap is not None:
+        log.info("CUDA graphs: %d of %d captured in %.1f s%s", len(cap.captured), len(cap.captured) + len(cap.eager),
+                 cap.seconds, "" if not cap.eager else f"; eager (capture failed): {', '.join(cap.eager)}")
+        if strict and cap.eager:
+            raise KernelCheckFailed("--kernels strict: CUDA graph capture failed for " + "; ".join(
+                f"{k} ({why})" for k, why in cap.eager.items()))
+    rep = Startup(checks, cap, time.monotonic() - t0)
+    log.info("startup on %s: %.1f s (kernel self-check and CUDA graph capture)", w.device, rep.seconds)
+    return rep

@@ -2,6 +2,11 @@
 
 Without a GPU the Triton kernels run under triton's interpreter, which triton selects when a kernel is
 decorated (module import), so TRITON_INTERPRET must be set before any engine.model.ops kernel module loads.
+
+On a CPU the tests run torch on one intra-op thread (unless OMP_NUM_THREADS says otherwise), as `nextn serve`
+does on a 2-core box (cores - 1): the tests' models are tiny, so a second OpenMP thread only spins, against the
+other thread and any other process (a demo-model fp64 session took 1.2 s on two threads of a loaded 2-core box
+against 0.06 s on one). Results do not depend on it: the exactness tests compare bits computed in one process.
 """
 import os
 
@@ -9,3 +14,5 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)

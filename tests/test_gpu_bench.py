@@ -7,11 +7,14 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from tests.ops_util import needs_triton
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 @needs_triton
 def test_smoke_quick_passes_every_check(tmp_path):
     out_json, out_md = tmp_path / "gpu.json", tmp_path / "gpu.md"
@@ -52,6 +55,7 @@ def test_exit_status_follows_the_checks(monkeypatch, capsys):
         assert ("FAIL tiny dense bf16: a check" in last) == (ok is False), last
 
 
+@pytest.mark.slow
 def test_imports_only_what_the_gpu_machine_has():
     """The H200 image has torch, triton, transformers, safetensors, tokenizers, but none of the server's stack:
     bench/gpu.py and its model rows import without it."""

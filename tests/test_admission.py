@@ -211,7 +211,8 @@ def _gathered(srv: ServerThread, monkeypatch: pytest.MonkeyPatch, n: int) -> lis
         return list(ex.map(post, range(n)))
 
 
-@pytest.mark.parametrize("engine_process", [False, True], ids=["in-process", "engine-process"])
+@pytest.mark.parametrize("engine_process", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["in-process", "engine-process"])
 def test_requests_that_arrive_together_reach_the_engine_together(monkeypatch, engine_process):
     n = 4  # under the event loop's default thread pool on a 2-core box (6 threads): every parse reaches the barrier
     with ServerThread(engine_process=engine_process) as srv:

@@ -21,7 +21,7 @@ def ckpt(request, tmp_path_factory):
                            moe=request.param == "moe", with_tokenizer=False)
 
 
-@pytest.fixture(scope="module", params=["float32", "float64"])
+@pytest.fixture(scope="module", params=["float32", pytest.param("float64", marks=pytest.mark.slow)])  # fp64: CI
 def model(request, ckpt):
     return load_model(ckpt, dtype=request.param)
 
@@ -260,6 +260,7 @@ def test_too_large_pool_is_refused_with_the_setting_to_lower(ckpt):
         Scheduler(model, max_num_seqs=10**7, max_model_len=4096, k=3, max_num_batched_tokens=512)
 
 
+@pytest.mark.slow
 def test_nextn_serve_refuses_a_pool_that_does_not_fit_in_one_line():
     import os
     import subprocess

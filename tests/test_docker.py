@@ -224,6 +224,7 @@ def served(image, dockerfile) -> Iterator[dict[str, Any]]:
     assert proc.returncode == 0, "SIGTERM drains and exits 0"
 
 
+@pytest.mark.slow
 def test_install_gave_the_cpu_torch_wheel(image):
     # install.sh's deps step imports the installed torch and reports it (and fails on a CUDA build for cpu)
     (deps_log,) = [log for cmd, log in image["logs"].items() if " deps " in cmd]
@@ -234,6 +235,7 @@ def test_install_gave_the_cpu_torch_wheel(image):
     assert Path(r.stdout.strip()) == image["workdir"] / "models" / "demo"
 
 
+@pytest.mark.slow
 def test_entrypoint_serves_the_demo(served):
     r = httpx.get(served["url"] + "/health", timeout=10)
     assert r.status_code == 200, r.text
@@ -242,6 +244,7 @@ def test_entrypoint_serves_the_demo(served):
     assert "K=3" in served["log"].read_text()  # the default: speculation on
 
 
+@pytest.mark.slow
 def test_healthcheck_command(served, image, dockerfile):
     """The HEALTHCHECK CMD, given the server's command line as PID 1's (what it reads in the image)."""
     health = _one(final_stage(dockerfile), "HEALTHCHECK")
@@ -259,6 +262,7 @@ def test_healthcheck_command(served, image, dockerfile):
     assert bad.returncode == 1 and "NEXTN_PORT" in bad.stderr
 
 
+@pytest.mark.slow
 def test_load_generator_runs(served, image):
     r = subprocess.run(["python", str(OBS / "load.py"), "--url", served["url"], "--requests", "2",
                         "--concurrency", "2", "--pause", "0"], env=image["env"], capture_output=True, text=True,
@@ -352,6 +356,7 @@ def scrape(served) -> dict[str, Any]:
     return samples
 
 
+@pytest.mark.slow
 def test_dashboard_and_prometheus_metric_names_exist(scrape):
     used = {n for _, e in dashboard_queries() for n in promql_metric_names(e)}
     used |= {m for m, _ in _label_values_queries()}
@@ -380,6 +385,7 @@ def test_promtool_check_config():
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+@pytest.mark.slow
 def test_dashboard_queries_evaluate_in_prometheus(served, scrape):
     """The example's scrape config (interval shortened, target = the test server) in a real Prometheus:
     every dashboard query returns a non-empty vector of finite values once traffic has been scraped."""

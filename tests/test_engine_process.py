@@ -27,6 +27,8 @@ from engine.spec import SpecSession
 from server.engine_proc import EngineProcess
 from tests.server_fixtures import ServerThread, free_port, http_ready, tiny_checkpoint, wait_until
 
+pytestmark = pytest.mark.slow  # every test runs an engine process or a whole nextn serve
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FAIL_MARK = 300  # a prompt token that makes `failing_session` raise (the tiny vocabulary has 333 ids)
 KILL_LOOP_MARK = 301  # ... and one that makes it fail the worker loop itself

@@ -47,6 +47,7 @@ def test_requires_python_matches_the_code():
     assert sys.version_info >= (3, 11)
 
 
+@pytest.mark.slow
 def test_server_tests_pass_on_the_floor_versions(tmp_path):
     declared = floors()
     missing = [pkg for pkg in FLOOR_PACKAGES if pkg not in declared]

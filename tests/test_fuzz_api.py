@@ -38,6 +38,8 @@ from schemathesis.specs.openapi.checks import (
 from tests.fuzz_util import fuzz_settings
 from tests.server_fixtures import ServerThread
 
+pytestmark = pytest.mark.slow  # schemathesis over every operation of a live server
+
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance,
           response_schema_conformance, negative_data_rejection]
 #: (method, path, CI examples per mode): the generating routes get most of the budget.

@@ -16,6 +16,7 @@ from tests.ops_util import needs_triton
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 @needs_triton
 def test_smoke_quick_passes_every_check(tmp_path):
     out_json, out_md = tmp_path / "gpu.json", tmp_path / "gpu.md"
@@ -87,6 +88,7 @@ def test_arguments_and_the_launch_table_rows(monkeypatch, capsys):
     assert not gpu.LaunchRow("attention", "stages=3", 202.0, 163.0).ok
 
 
+@pytest.mark.slow
 def test_imports_only_what_the_gpu_machine_has():
     """The H200 image has torch, triton, transformers, safetensors, tokenizers, but none of the server's stack:
     bench/gpu.py and its model rows import without it."""

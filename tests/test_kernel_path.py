@@ -179,6 +179,7 @@ def test_logits_bitwise_alone_or_batched_and_t1_or_verify(moe, dtype):
     assert torch.equal(ma[0], mb[1]), "MTP draft logits: alone vs batched"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_greedy_spec_equals_plain_through_kernels_and_graph_runner(dtype):
     """Three sessions batched through the scheduler's GraphRunner (bucket 4: one padding row on its scratch slot):

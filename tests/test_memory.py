@@ -8,7 +8,11 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from tests.tiny import make_checkpoint
+
+pytestmark = pytest.mark.slow  # a subprocess at the real vocabulary
 
 VOCAB = 248320  # the real Qwen3.5 vocabulary
 PROMPT_LEN = 3000

@@ -244,6 +244,7 @@ def workload(cli_server, model_name):
 # ------------------------------------------------------------------------------------------------ tests
 
 
+@pytest.mark.slow
 def test_usage_spec_sum_equals_counter_increase(workload):
     """(a) Σ usage.spec == Δ counters, every field, exactly."""
     before, after, usages, finish = workload
@@ -258,6 +259,7 @@ def test_usage_spec_sum_equals_counter_increase(workload):
     assert finish.count("length") >= 4  # the max_tokens path ran (the stop-string job checks its own)
 
 
+@pytest.mark.slow
 def test_counter_increase_is_stable_after_quiescence(cli_server, workload):
     """Nothing is added after the last response: a later scrape shows the same spec counters."""
     _, after, _, _ = workload
@@ -271,6 +273,7 @@ def _promtool() -> str:
     return exe
 
 
+@pytest.mark.slow
 def test_promtool_accepts_real_scrape(cli_server, workload):
     """(c) the live /metrics body after traffic lints clean."""
     exe = _promtool()
@@ -337,6 +340,7 @@ def prom_values(url: str, query: str, key: str | None = None) -> dict:
     return {(res["metric"].get(key) if key else None): float(res["value"][1]) for res in promql(url, query)}
 
 
+@pytest.mark.slow
 def test_prometheus_scrapes_spec_counters(prometheus, cli_server, workload):
     """(d) Prometheus's view equals /metrics (server idle, so values are final); documented PromQL works."""
     expected = spec_counters(scrape(cli_server)[1])

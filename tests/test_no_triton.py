@@ -10,6 +10,10 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # a pytest run in a subprocess
+
 ROOT = Path(__file__).resolve().parents[1]
 
 #: torch-path tests that must pass, and kernel tests that must skip (not fail, not error) without triton

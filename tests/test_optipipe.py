@@ -350,12 +350,14 @@ def test_no_request_arms_the_door_or_changes_q(monkeypatch):
     ([], {"NEXTN_RESEARCH_OPTI_CONTROLLER_Q": "-0.1"}, "NEXTN_RESEARCH_OPTI_CONTROLLER_Q"),
     ([], {"NEXTN_RESEARCH_OPTI_CONTROLLER_Q": "inf"}, "NEXTN_RESEARCH_OPTI_CONTROLLER_Q"),
 ], ids=["flag-nan", "flag-above-1", "env-negative", "env-inf"])
+@pytest.mark.slow
 def test_bad_q_fails_startup_with_one_line(argv, env, needle):
     r = run_nextn("serve", str(tiny_checkpoint()), *argv, env=env)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and needle in lines[0], r.stderr
 
 
+@pytest.mark.slow
 def test_env_arms_a_real_process_once():
     """`nextn serve` with NEXTN_RESEARCH_OPTI_CONTROLLER_Q: one startup line and the /metrics block."""
     port = free_port()

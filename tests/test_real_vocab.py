@@ -21,6 +21,8 @@ from bench.soak import ServerProcess
 from engine.tokenizer import Tokenizer
 from tests.tiny import make_checkpoint
 
+pytestmark = pytest.mark.slow  # a 248,320-token vocabulary served by a real nextn serve process
+
 ROOT = Path(__file__).resolve().parents[1]
 EOS = [248046, 248044]  # <|im_end|>, <|endoftext|>
 MESSAGES = [{"role": "user", "content": "Is café au lait a drink? Answer yes or no."}]

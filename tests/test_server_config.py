@@ -135,6 +135,7 @@ def run_nextn(*argv: str, env: dict[str, str] | None = None) -> subprocess.Compl
     ([], {"NEXTN_MAX_QUEUE": "-1"}, "NEXTN_MAX_QUEUE"),
     (["--max-model-len", "100000"], {}, "max_position_embeddings"),
 ], ids=["type", "unknown-flag", "choice", "env", "over-checkpoint"])
+@pytest.mark.slow
 def test_bad_flag_exits_nonzero_with_one_line(argv, env, needle):
     r = run_nextn("serve", str(tiny_checkpoint()), *argv, env=env)
     assert r.returncode != 0
@@ -143,6 +144,7 @@ def test_bad_flag_exits_nonzero_with_one_line(argv, env, needle):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_missing_model_dir_exits_nonzero_with_one_line():
     r = run_nextn("serve", "/no/such/dir")
     assert r.returncode != 0
@@ -151,6 +153,7 @@ def test_missing_model_dir_exits_nonzero_with_one_line():
     assert r.returncode == 2
 
 
+@pytest.mark.slow
 def test_sigterm_drains_then_exits_zero():
     port = free_port()
     proc = subprocess.Popen(NEXTN + ["serve", str(tiny_checkpoint()), "--port", str(port)], cwd=REPO_ROOT,
@@ -194,6 +197,7 @@ def test_sigterm_drains_then_exits_zero():
         assert "step GEMMs: C kernels" in stderr, stderr
 
 
+@pytest.mark.slow
 def test_no_cpu_kernel_reaches_the_engine_process_and_serves():
     with nextn_serve(str(tiny_checkpoint()), "--no-cpu-kernel") as (base, stderr):
         r = httpx.post(base + "/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 8,
@@ -202,6 +206,7 @@ def test_no_cpu_kernel_reaches_the_engine_process_and_serves():
     assert any("step GEMMs: torch ops (--no-cpu-kernel)" in line for line in stderr), stderr
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not cpu.available(), reason="no C compiler: the torch path runs")
 def test_cpu_kernel_threads_reach_the_engine_process_and_keep_the_tokens():
     """Two kernel threads in the engine process (logged at startup): the same greedy tokens as the C kernels on one

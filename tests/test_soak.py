@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from bench.soak import ServerProcess, SoakConfig, run_soak
 from tests.server_fixtures import tiny_checkpoint
+
+pytestmark = pytest.mark.slow  # 32 clients against a real nextn serve process
 
 
 def test_soak_32_clients_mixed_with_disconnects() -> None:

@@ -22,7 +22,7 @@ def ckpt(request, tmp_path_factory):
                            moe=request.param == "moe", with_tokenizer=False)
 
 
-@pytest.fixture(scope="module", params=["float32", "float64"])
+@pytest.fixture(scope="module", params=["float32", pytest.param("float64", marks=pytest.mark.slow)])  # fp64: CI
 def model(request, ckpt):
     return load_model(ckpt, dtype=request.param)
 
@@ -275,6 +275,7 @@ def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64), stat / 2.0))
 
 
+@pytest.mark.slow
 @torch.no_grad()
 @pytest.mark.parametrize("p_min", [0.0, 0.5])
 def test_spec_sampling_matches_target_distribution(tiny_vocab_model, p_min):
@@ -312,6 +313,7 @@ def test_spec_sampling_matches_target_distribution(tiny_vocab_model, p_min):
     assert _chi2_pvalue(c1, p0) < 1e-3 or torch.allclose(m1, p0, atol=0.02)
 
 
+@pytest.mark.slow
 @torch.no_grad()
 def test_spec_sampling_with_p_min_is_exact_on_a_good_drafter():
     """With a drafter that agrees with the target (the demo's trained MTP head), deciding the p-min cut from the

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import os
 from importlib import resources
 from pathlib import Path
 
@@ -93,7 +94,7 @@ def write_qwen35_tokenizer(out_dir: str | Path) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "tokenizer.json"
-    tmp = out / "tokenizer.json.tmp"
+    tmp = out / f"tokenizer.json.{os.getpid()}.tmp"  # one per writer: test workers may build it at once
     build_qwen35_tokenizer().save(str(tmp))
     tmp.replace(path)  # atomic: a concurrent reader never sees half a file
     return path

@@ -150,7 +150,8 @@ def _chat(url: str, model: str, messages: list[dict], max_tokens: int) -> tuple[
     t0 = time.perf_counter()
     ttft, text, usage = None, [], None
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=3600) as r:
-        r.raise_for_status()
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {r.read().decode()[:300]}")
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -198,7 +199,7 @@ def multiturn(args: argparse.Namespace) -> None:
 
     model_dir = DEMO if args.model == "demo" else qwen08b_checkpoint()
     tok = Tokenizer.from_dir(model_dir)
-    tokens = args.system_tokens or (1700 if args.model == "demo" else 2000)  # the demo's context is 2,048
+    tokens = args.system_tokens or (1500 if args.model == "demo" else 2000)  # the demo's context is 2,048
     system = system_prompt(tokens, lambda text: len(tok.encode(text)))
     max_len = args.max_model_len or (2048 if args.model == "demo" else 4096)
     common = ["--max-model-len", str(max_len), "--max-num-seqs", str(args.conversations)]
@@ -350,7 +351,7 @@ def main() -> None:
     mt.add_argument("--turns", type=int, default=6)
     mt.add_argument("--max-tokens", type=int, default=32)
     mt.add_argument("--system-tokens", type=int, default=None,
-                    help="the system prompt's tokens (default: 2000; 1700 for the demo, whose context is 2,048)")
+                    help="the system prompt's tokens (default: 2000; 1500 for the demo, whose context is 2,048)")
     mt.add_argument("--max-model-len", type=int, default=None, help="default: 2048 (demo), 4096")
     lg = sub.add_parser("long")
     lg.add_argument("--lengths", default="1000,4000,16000")

@@ -11,6 +11,8 @@
   /ready and /health, the grace period covers the preStop sleep and the gateway's longest request, the endpoint
   picker reads the model-server protocol under the names nextn exports, and the HPA asks for the metric the
   adapter serves.
+- The picker's prefix affinity: a prefix-cache scorer in its profile with a weight, fed by the approximate prefix
+  producer on nextn's 256-token grid, and weights that keep affinity below a full pool and a queue.
 - The prometheus-adapter rule's PromQL runs under promtool (`promtool test rules`: syntax, and the per-pod value
   the HPA would get from given series).
 """
@@ -32,6 +34,7 @@ import referencing
 import yaml
 
 from config.settings import ENV_PREFIX, env_var, field_names
+from engine.cache import PREFILL_GRID
 from metrics.prometheus import MODEL_SERVER_PROTOCOL, ServingMetrics
 from server.cli import build_parser, settings_from_args
 from tests.server_fixtures import DEMO_DIR
@@ -64,6 +67,11 @@ def one(kind: str, name: str) -> dict:
 
 def container(deployment: dict, name: str) -> dict:
     return next(c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == name)
+
+
+def literal_env(c: dict) -> dict[str, str]:
+    """{name: value} of a container's variables set to a literal value."""
+    return {e["name"]: e["value"] for e in c["env"] if "value" in e}
 
 
 def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
@@ -168,7 +176,7 @@ def test_model_server_deployment():
     model = mounts["model"]
     assert model["readOnly"] and next(v for v in pod["volumes"] if v["name"] == "model")["persistentVolumeClaim"][
         "claimName"] == one("PersistentVolumeClaim", "nextn-model")["metadata"]["name"]
-    env = {e["name"]: e["value"] for e in c["env"] if "value" in e}
+    env = literal_env(c)
     known = {env_var(n) for n in field_names()}
     assert {k for k in env if k.startswith(ENV_PREFIX)} <= known
     args = [str(DEMO_DIR) if a == model["mountPath"] else a for a in c["args"]]  # the mounted checkpoint
@@ -274,6 +282,84 @@ def test_endpoint_picker_reads_the_protocol_under_nextns_names():
         assert engine[key] == "nextn_" + MODEL_SERVER_PROTOCOL[metric] and engine[key] in gauges, metric
     scrape = plugins["metrics-data-source"]["parameters"]
     assert scrape["path"] == "/metrics" and scrape["scheme"] == "http"
+
+
+# the parameters llm-d-router v0.10.0 decodes for the two prefix plugins (dataproducer/approximateprefix `config`,
+# scorer/prefix `Config`); its decoder refuses unknown fields, so a typo here would stop the picker at startup
+APPROX_PREFIX_PRODUCER = "approx-prefix-cache-producer"
+APPROX_PREFIX_PARAMS = {"autoTune", "blockSizeTokens", "blockSize", "maxPrefixBlocksToMatch",
+                        "maxPrefixTokensToMatch", "lruCapacityPerServer"}
+PREFIX_SCORER_PARAMS = {"prefixMatchInfoProducerName", "matchLengthWeight", "matchLengthScaleTokens"}
+MIN_PICKER_BLOCK = 64  # the producer clamps a smaller block size up to this
+
+
+def profile_weights(cfg: dict, profile: str = "default") -> dict[str, float]:
+    """{plugin name: weight} of the scorers the profile lists (a weight the config leaves out is 1.0)."""
+    plugins = {p.get("name", p["type"]): p for p in cfg["plugins"]}
+    (prof,) = [p for p in cfg["schedulingProfiles"] if p["name"] == profile]
+    return {r["pluginRef"]: float(r.get("weight", 1.0)) for r in prof["plugins"]
+            if plugins[r["pluginRef"]]["type"].endswith("-scorer")}
+
+
+def test_endpoint_picker_scores_prefix_affinity():
+    """The profile weighs a prefix-cache scorer, fed by an approximate prefix producer hashing nextn's grid blocks
+    with the limits of the deployed pods."""
+    cfg = epp_config()
+    plugins = {p.get("name", p["type"]): p for p in cfg["plugins"]}
+    scorers = [n for n, p in plugins.items() if p["type"] == "prefix-cache-scorer"]
+    assert len(scorers) == 1, f"one prefix-cache-scorer in the picker's plugins, found {scorers}"
+    weights = profile_weights(cfg)
+    assert weights.get(scorers[0], 0) > 0, f"the default profile weighs the prefix-cache scorer: {weights}"
+    scorer = plugins[scorers[0]].get("parameters", {})
+    assert set(scorer) <= PREFIX_SCORER_PARAMS, set(scorer) - PREFIX_SCORER_PARAMS
+    producer = plugins.get(scorer.get("prefixMatchInfoProducerName", APPROX_PREFIX_PRODUCER))
+    assert producer is not None and producer["type"] == APPROX_PREFIX_PRODUCER, producer
+    params = producer["parameters"]
+    assert set(params) <= APPROX_PREFIX_PARAMS, set(params) - APPROX_PREFIX_PARAMS
+    # nextn exports no block-size or block-count gauge for auto-tuning: the configured values must be used
+    engine = plugins["core-metrics-extractor"]["parameters"]["engineConfigs"][0]
+    assert not {"cacheInfoSpec", "cacheBlockSizeSpec", "cacheNumBlocksSpec"} & set(engine)
+    assert params["autoTune"] is False
+    # one picker block (its tokens: ~4 bytes each) per nextn grid block, above the picker's floor
+    assert params["blockSizeTokens"] == PREFILL_GRID >= MIN_PICKER_BLOCK
+    assert "blockSize" not in params and "maxPrefixBlocksToMatch" not in params  # the deprecated, character forms
+    env = literal_env(container(one("Deployment", "nextn"), "nextn"))
+    assert params["maxPrefixTokensToMatch"] == int(env[env_var("max_model_len")])
+    assert isinstance(params["lruCapacityPerServer"], int) and params["lruCapacityPerServer"] > 0
+
+
+def test_profile_weights_keep_affinity_below_a_full_pool():
+    """The weighted sum the default profile computes (v0.10.0's scorers: queue min-max normalised across pods,
+    1 - pool use, share of the prompt's blocks matched; the max-score picker takes the highest, a tie is no win)
+    sends a prompt to the pod holding it at equal load and a few slots busier, and away from it once its pool is
+    full or it queues."""
+    cfg = epp_config()
+    weights = profile_weights(cfg)
+    types = {p.get("name", p["type"]): p["type"] for p in cfg["plugins"]}
+    w = {types[n]: v for n, v in weights.items()}
+    assert set(w) == {"queue-scorer", "kv-cache-utilization-scorer", "prefix-cache-scorer"}, w
+    env = literal_env(container(one("Deployment", "nextn"), "nextn"))
+    slots = int(env[env_var("max_num_seqs")])
+
+    def picked(pods: list[tuple[int, int, float]]) -> int | None:
+        """Index of the pod picked among (waiting, slots held, prefix share) pods; None on a tie."""
+        lo, hi = min(p[0] for p in pods), max(p[0] for p in pods)
+        total = [w["queue-scorer"] * (1.0 if hi == lo else (hi - q) / (hi - lo))
+                 + w["kv-cache-utilization-scorer"] * (1 - held / slots) + w["prefix-cache-scorer"] * share
+                 for q, held, share in pods]
+        best = max(total)
+        return total.index(best) if total.count(best) == 1 else None
+
+    holder_wins = {"equal load": [(0, 3, 1.0), (0, 3, 0.0)],
+                   "equal load, half the prompt held": [(0, 3, 0.5), (0, 3, 0.0)],
+                   "a few slots busier": [(0, 5, 1.0), (0, 1, 0.0)]}
+    other_wins = {"its pool full, the other idle": [(0, slots, 1.0), (0, 0, 0.0)],
+                  "it queues, the other does not": [(1, slots, 1.0), (0, slots, 0.0)],
+                  "it queues, the other has a slot": [(2, slots, 1.0), (0, slots - 1, 0.0)]}
+    for case, pods in holder_wins.items():
+        assert picked(pods) == 0, (case, w)
+    for case, pods in other_wins.items():
+        assert picked(pods) == 1, (case, w)
 
 
 # ------------------------------------------------------------------------------------------- the adapter's rule

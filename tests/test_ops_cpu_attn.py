@@ -121,7 +121,7 @@ def test_attention_step_is_batch_and_T_invariant_bitwise():
 def test_the_blocked_prefill_path_has_the_step_paths_bits(hd, rotary):
     """A prefill block (T >= 16: K / V written first, then blocks of queries over chunks of keys) gives every token
     the bits of one-token steps (the row path), in a batch of rows at different positions, with GQA (4 query heads
-    on 2 kv heads), keys past a 64-key chunk and a token count that is no multiple of the 8-token blocks; and its
+    on 2 kv heads), keys past a 64-key chunk and a token count that is no multiple of the 16-token blocks; and its
     outputs match the torch twin."""
     att, cfg = _layer(hd, rotary, seed=3)
     T, L2 = 37, 160

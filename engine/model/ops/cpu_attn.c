@@ -235,12 +235,16 @@ static void attn_row_(void *arg, int64_t i) {
 /* The blocked path (a prefill block: T >= BLOCKED_MIN_T): the same numbers as attn_row_, computed in an order that
  * reuses each K and V row for many queries. First every (row, token) writes its K / V and its normed, rotated
  * queries (attn_prep_); then each work item takes one row, one kv head and TOK_BLOCK tokens: the g * TOK_BLOCK
- * queries that read that kv head, over KEY_CHUNK keys at a time (attn_block_). A query's scores are dot_'s sums
- * (score8_ or dot_), its softmax is softmax_, and its output's four chains per dim take keys j = e mod 4 in
- * ascending order, then (c0 + c1) + (c2 + c3): attend_'s operations on the same operands, only interleaved with
- * other queries'. So a token's output is bitwise the same on either path, alone or in any batch. */
+ * queries that read that kv head, over KEY_CHUNK keys at a time (attn_block_): eight keys' scores against every
+ * query while those keys sit in L1, then the chunk's V packed by 16-dim tile (its rows are nkv * hd floats apart,
+ * which maps a chunk's rows onto a few cache sets) and each tile's keys summed into every query's chains in
+ * registers (pv_tile_). A query's scores are dot_'s sums (score8_ or dot_), its softmax is softmax_, and its
+ * output's four chains per dim take keys j = e mod 4 in ascending order, then (c0 + c1) + (c2 + c3): attend_'s
+ * operations on the same operands, only interleaved with other queries'. So a token's output is bitwise the same
+ * on either path, alone or in any batch. TOK_BLOCK 16 and KEY_CHUNK 64: the fastest pair measured at Qwen3.5-0.8B's
+ * heads (8 on 2, hd 256) for a 256-token block at positions 1k and 4k (bench/RESULTS.md, "Long-prompt prefill"). */
 #define BLOCKED_MIN_T 16
-#define TOK_BLOCK 8
+#define TOK_BLOCK 16
 #define KEY_CHUNK 64
 
 /* row i = item / T, token t = item % T: K / V to the cache, the queries to qbuf */
@@ -258,6 +262,31 @@ static void attn_prep_(void *arg, int64_t item) {
     for (int64_t h = 0; h < nh; h++) rms_rope_(x + h * 2 * hd, J->qw1, J->eps, hd, c, s, R, J->qbuf + (row * nh + h) * hd);
 }
 
+/* keys j0 <= j < hi (j0 a multiple of 4) of one 16-dim tile into the four chains c (chain e = j mod 4, rows hd
+ * apart): c_e += p_j * v_j, keys in ascending order per chain, as attend_ adds them; vt: the tile's packed keys
+ * ([KEY_CHUNK, 16], key j at row j - j0), the sums held in registers over the chunk */
+static void pv_tile_(const float *p, const float *vt, int64_t j0, int64_t hi, float *c, int64_t hd) {
+    v8 a[4][2];
+    for (int e = 0; e < 4; e++)
+        for (int u = 0; u < 2; u++) a[e][u] = ld8_(c + e * hd + 8 * u);
+    int64_t j = j0;
+    for (; j + 4 <= hi; j += 4)
+        for (int e = 0; e < 4; e++) {
+            const v8 pe = splat8_(p[j + e]);
+            const float *vr = vt + (j + e - j0) * 16;
+            a[e][0] = a[e][0] + pe * ld8_(vr);
+            a[e][1] = a[e][1] + pe * ld8_(vr + 8);
+        }
+    for (int e = 0; j < hi; j++, e++) {
+        const v8 pe = splat8_(p[j]);
+        const float *vr = vt + (j - j0) * 16;
+        a[e][0] = a[e][0] + pe * ld8_(vr);
+        a[e][1] = a[e][1] + pe * ld8_(vr + 8);
+    }
+    for (int e = 0; e < 4; e++)
+        for (int u = 0; u < 2; u++) st8_(c + e * hd + 8 * u, a[e][u]);
+}
+
 /* row i, kv head kh, tokens [t0, t1) (the item's index decodes to them): every query of those tokens that reads kv
  * head kh, attended and gated into `out` */
 static void attn_block_(void *arg, int64_t item) {
@@ -268,42 +297,50 @@ static void attn_block_(void *arg, int64_t item) {
     const int64_t p0 = J->pos0[i], nmax = p0 + t1, pitch = (nmax + 7) & ~(int64_t)7;
     const float *k = J->kc + J->slots[i] * J->cache_slot + kh * hd, *v = J->vc + J->slots[i] * J->cache_slot + kh * hd;
     const float scale = J->scale;
-    float *P = malloc(sizeof(float) * (size_t)(Q * pitch + Q * 4 * hd + hd));
+    float *P = malloc(sizeof(float) * (size_t)(Q * pitch + Q * 4 * hd + hd + KEY_CHUNK * hd));
     if (!P) {
         J->err = 2;
         return;
     }
-    float *acc = P + Q * pitch, *o = acc + Q * 4 * hd;
+    float *acc = P + Q * pitch, *o = acc + Q * 4 * hd, *vp = o + hd;
     /* query q: token t0 + q / g, head kh * g + q % g, keys 0 .. p0 + t */
 #define QROW_(q) (J->qbuf + ((i * T + t0 + (q) / g) * nh + kh * g + (q) % g) * hd)
 #define NKEYS_(q) (p0 + t0 + (q) / g + 1)
     for (int64_t j0 = 0; j0 < nmax; j0 += KEY_CHUNK) {
         const int64_t j1 = j0 + KEY_CHUNK < nmax ? j0 + KEY_CHUNK : nmax;
-        for (int64_t q = 0; q < Q; q++) {
-            const int64_t hi = NKEYS_(q) < j1 ? NKEYS_(q) : j1;
-            const float *qv = QROW_(q);
-            float *p = P + q * pitch;
-            int64_t j = j0;
-            if (hd % 8 == 0)
-                for (; j + 8 <= hi; j += 8) score8_(qv, k + j * kd, kd, hd, scale, p + j);
-            for (; j < hi; j++) p[j] = dot_(qv, k + j * kd, hd) * scale;
-        }
+        for (int64_t j8 = j0; j8 < j1; j8 += 8)  /* eight keys (8 hd floats, in L1) against every query */
+            for (int64_t q = 0; q < Q; q++) {
+                const int64_t hi = NKEYS_(q) < j1 ? NKEYS_(q) : j1;
+                const float *qv = QROW_(q);
+                float *p = P + q * pitch;
+                if (hd % 8 == 0 && j8 + 8 <= hi)
+                    score8_(qv, k + j8 * kd, kd, hd, scale, p + j8);
+                else
+                    for (int64_t j = j8; j < hi; j++) p[j] = dot_(qv, k + j * kd, hd) * scale;
+            }
     }
     for (int64_t q = 0; q < Q; q++) softmax_(P + q * pitch, NKEYS_(q));
     memset(acc, 0, sizeof(float) * (size_t)(Q * 4 * hd));
     for (int64_t j0 = 0; j0 < nmax; j0 += KEY_CHUNK) {
         const int64_t j1 = j0 + KEY_CHUNK < nmax ? j0 + KEY_CHUNK : nmax;
-        for (int64_t q = 0; q < Q; q++) {
-            const int64_t hi = NKEYS_(q) < j1 ? NKEYS_(q) : j1;
-            const float *p = P + q * pitch;
-            for (int64_t j = j0; j < hi; j++) {  /* chain j mod 4 of every dim: c += p_j * v_j */
-                const float pj = p[j], *vr = v + j * kd;
-                float *c = acc + (q * 4 + (j & 3)) * hd;
-                int64_t d = 0;
-                for (; d + 8 <= hd; d += 8) st8_(c + d, ld8_(c + d) + pj * ld8_(vr + d));
-                for (; d < hd; d++) c[d] = c[d] + pj * vr[d];
+        if (hd % 16 == 0) {  /* the chunk's V packed by 16-dim tile ([hd / 16, KEY_CHUNK, 16]: a tile's keys in 4 KB) */
+            for (int64_t j = j0; j < j1; j++)
+                for (int64_t t = 0; t < hd / 16; t++)
+                    memcpy(vp + (t * KEY_CHUNK + j - j0) * 16, v + j * kd + t * 16, 16 * sizeof(float));
+            for (int64_t t = 0; t < hd / 16; t++)
+                for (int64_t q = 0; q < Q; q++) {
+                    const int64_t hi = NKEYS_(q) < j1 ? NKEYS_(q) : j1;
+                    if (hi > j0) pv_tile_(P + q * pitch, vp + t * KEY_CHUNK * 16, j0, hi, acc + q * 4 * hd + t * 16, hd);
+                }
+        } else
+            for (int64_t q = 0; q < Q; q++) {
+                const int64_t hi = NKEYS_(q) < j1 ? NKEYS_(q) : j1;
+                for (int64_t j = j0; j < hi; j++) {  /* chain j mod 4 of every dim: c += p_j * v_j */
+                    const float pj = P[q * pitch + j], *vr = v + j * kd;
+                    float *c = acc + (q * 4 + (j & 3)) * hd;
+                    for (int64_t d = 0; d < hd; d++) c[d] = c[d] + pj * vr[d];
+                }
             }
-        }
     }
     for (int64_t q = 0; q < Q; q++) {
         const float *c = acc + q * 4 * hd;

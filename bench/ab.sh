@@ -12,7 +12,8 @@ old=$(mktemp -d)/old
 git worktree add -q --detach "$old" "$old_rev"
 trap 'git worktree remove --force "$old"' EXIT
 run() {  # $1: source tree -> "plain_tok_s k3_tok_s"
-    PYTHONPATH="$1" OMP_NUM_THREADS=1 .venv/bin/python -m server.cli bench spec models/demo --k 3 --max-tokens 128 \
+    PYTHONPATH="$1" OMP_NUM_THREADS=1 .venv/bin/python -c \
+        'import sys; from server.cli import main; sys.argv[0] = "nextn"; sys.exit(main())' bench spec models/demo --k 3 --max-tokens 128 \
         --repeat 3 --json | .venv/bin/python -c 'import json,sys; r=json.load(sys.stdin); print(r["plain"]["tok_s"], r["rows"][0]["tok_s"])'
 }
 ratios=()

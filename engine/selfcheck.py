@@ -35,6 +35,7 @@ from .model.ops import dispatch as ops
 from .model.ops import gdn_prefill as _gdnp
 from .model.ops import gdn_update as _gdn
 from .model.ops import matmul as _mm
+from .model.ops import matmul_fp8 as _fp8
 from .model.ops import norm as _norm
 from .model.ops import sample as _sample
 
@@ -111,6 +112,41 @@ def _matmul(c: Qwen35Config, r: _Rand) -> Outputs:
         w, x = r.randn(N, K, scale=K ** -0.5), r.randn(3, K)
         y = _mm.matmul(x, w, odt, out=r.nans(3, N, dtype=odt), phase=phase)
         out.append((f"[{N}x{K}] {phase}", y, _mm.matmul_ref(x, w, odt)))
+    return out
+
+
+def _fp8_weight(r: _Rand, *shape: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random FP8 weight [..., N, K] (e4m3 codes of N(0, 1) values) and fp32 block scales of about K^-1/2."""
+    q = r.randn(*shape, dtype=torch.float32).to(_fp8.FP8)
+    s = (0.5 + r.rand(*_fp8.scale_shape(shape))) * shape[-1] ** -0.5
+    return q, s
+
+
+def _matmul_fp8(c: Qwen35Config, r: _Rand) -> Outputs:
+    """The W8A16 matmul (FP8 models only): the LM-head-like and a K-split weight in the step tiling, the prefill
+    tiling, a fused weight with a scale row map (pieces off the 128-row blocks), and the MoE experts' form."""
+    H, inner = c.hidden_size, c.intermediate_size or c.moe_intermediate_size or c.hidden_size
+    out = []
+    for N, K, odt, phase in ((min(c.vocab_size, 8549), H, torch.float32, "step"), (200, inner, None, "step"),
+                             (264, H, None, "prefill")):
+        q, s = _fp8_weight(r, N, K)
+        x = r.randn(3, K)
+        y = _fp8.matmul_fp8(x, q, s, out_dtype=odt, out=r.nans(3, N, dtype=odt), phase=phase)
+        out.append((f"[{N}x{K}] {phase}", y, _fp8.matmul_fp8_ref(x, q, s, out_dtype=odt)))
+    w, _ = _fp8.fuse([_fp8.mark(*_fp8_weight(r, n, H)) for n in (96, 200)])
+    s, rows = _fp8.scales(w)
+    x = r.randn(3, H)
+    out.append(("fused, row map", _fp8.matmul_fp8(x, w, s, rows, out=r.nans(3, 296)),
+                _fp8.matmul_fp8_ref(x, w, s, rows)))
+    if c.is_moe:
+        E, k, Im = min(c.num_experts, 4), min(c.num_experts_per_tok, 2), c.moe_intermediate_size
+        q, s = _fp8_weight(r, E, 2 * Im, H)
+        x = r.randn(5, H)
+        idx = torch.stack([torch.randperm(E, generator=r.g, device=r.device)[:k] for _ in range(5)])  # [5, k]
+        order, offsets = _mm.group_by_expert(idx, E)
+        rows = order // k
+        out.append(("grouped", _fp8.grouped_matmul_fp8(x, q, s, offsets, rows),
+                    _fp8.grouped_matmul_fp8_ref(x, q, s, offsets, rows)))
     return out
 
 
@@ -257,13 +293,17 @@ CHECKS: dict[str, Callable[[Qwen35Config, _Rand], Outputs]] = {
     "add_rms_norm": _add_rms_norm, "gated_rms_norm": _gated_rms_norm, "attention": _attention,
     "gdn_update": _gdn_update, "conv_update": _conv_update, "gdn_gates": _gdn_gates, "silu_mul": _silu_mul,
     "argmax": _argmax, "sample": _sample_, "gdn_prefill": _gdn_prefill, "attention_prefill": _attention_prefill,
+    "matmul_fp8": _matmul_fp8,
 }
 
 
-def kernels_for(cfg: Qwen35Config) -> list[str]:
-    """The kernels `cfg`'s model runs (the MoE pair only for a MoE model, the GDN ones only with GDN layers)."""
+def kernels_for(cfg: Qwen35Config, fp8: bool = False) -> list[str]:
+    """The kernels `cfg`'s model runs (the MoE pair only for a MoE model, the GDN ones only with GDN layers, the
+    W8A16 matmul only when `fp8`: the model holds FP8 weights)."""
     gdn = "linear_attention" in cfg.layer_types
     skip = set() if cfg.is_moe else {"grouped_matmul", "moe_combine"}
+    if not fp8:
+        skip.add("matmul_fp8")
     if not gdn:
         skip |= {"gdn_update", "conv_update", "gdn_gates", "gated_rms_norm", "gdn_prefill"}
     return [k for k in CHECKS if k not in skip]
@@ -297,12 +337,13 @@ def _usable(device: torch.device, name: str, err: BaseException) -> None:
 
 
 def check_kernels(cfg: Qwen35Config, device: torch.device | str,
-                  on_each: Callable[[], object] | None = None) -> list[KernelCheck]:
-    """Check every kernel `cfg`'s model runs, on `device` in cfg.dtype (module docstring). Each failure is logged
-    (one line per kernel) and its op falls back to its twin for this process. `on_each()` after each kernel."""
+                  on_each: Callable[[], object] | None = None, fp8: bool = False) -> list[KernelCheck]:
+    """Check every kernel `cfg`'s model runs (`kernels_for(cfg, fp8)`), on `device` in cfg.dtype (module
+    docstring). Each failure is logged (one line per kernel) and its op falls back to its twin for this process.
+    `on_each()` after each kernel."""
     device = torch.device(device)
     out = []
-    for name in kernels_for(cfg):
+    for name in kernels_for(cfg, fp8):
         c = _one(name, cfg, device)
         if not c.ok:
             ops.fall_back(name, c.detail)
@@ -328,7 +369,8 @@ def startup(model: torch.nn.Module, runner: GraphRunner | object | None = None, 
     if not ops.use_triton(w):
         return Startup()
     cfg = model.config
-    names = kernels_for(cfg)
+    fp8 = any(_fp8.is_fp8(p) for p in model.parameters())  # served as W8A16 (the loader keeps FP8 on this path)
+    names = kernels_for(cfg, fp8)
     graphs = runner if isinstance(runner, GraphRunner) and runner.capture else None
     t0 = time.monotonic()
     bar = None
@@ -339,7 +381,7 @@ def startup(model: torch.nn.Module, runner: GraphRunner | object | None = None, 
         bar = tqdm(total=total, desc="startup: kernel self-check + CUDA graphs", unit="step")
     try:
         each = bar.update if bar is not None else None
-        checks = check_kernels(cfg, w.device, on_each=each)
+        checks = check_kernels(cfg, w.device, on_each=each, fp8=fp8)
         failed = [c for c in checks if not c.ok]
         log.info("kernel self-check: %d of %d kernels match their twins on %s (%s) in %.1f s%s",
                  len(checks) - len(failed), len(checks), w.device, str(cfg.dtype).removeprefix("torch."),

@@ -143,31 +143,35 @@ def test_grouped_matmul_fp8_matches_twin_and_is_batch_invariant(dtype):
 
 
 _COMPILE = """
-import json, triton
+import json, torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from engine.model.ops import launch
 from engine.model.ops import matmul_fp8 as f8
 out = []
 for cap, native in ((80, False), (90, True)):
-    for grouped in (False, True):
+    for family in ("step", "prefill", "grouped"):
+        grouped = family == "grouped"
+        cfg = launch.choose(f"matmul_fp8/{family}", torch.bfloat16, divmod(cap, 10))
         types = {n: "i32" for n in f8._matmul_fp8_kernel.arg_names}
         types.update(x="*bf16", q="*fp8e4nv" if native else "*u8", s="*fp32", srows="*i32", y="*bf16", part="*fp32",
                      rows="*i64", tile_expert="*i32", tile_row0="*i32", offsets="*i32")
-        consts = dict(BM=f8.BLOCK_M, BN=f8.BLOCK_N, BK=f8.BLOCK_K, GROUPED=grouped, GATHER=grouped, SPLIT=True,
+        consts = dict(BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GROUPED=grouped, GATHER=grouped, SPLIT=True,
                       ROWMAP=grouped, NATIVE=native, IEEE=False)
         types.update({c: "constexpr" for c in consts})
         k = triton.compile(ASTSource(f8._matmul_fp8_kernel, types, consts), target=GPUTarget("cuda", cap, 32),
-                           options=dict(num_warps=f8.NUM_WARPS, num_stages=f8.NUM_STAGES))
-        out.append([cap, grouped, k.metadata.shared])
+                           options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+        est = launch.smem_bytes(f"matmul_fp8/{family}", cfg, torch.bfloat16)
+        out.append([cap, family, k.metadata.shared, est, launch.smem_limit(divmod(cap, 10))])
 print(json.dumps(out))
 """
 
 
 @needs_triton
 def test_the_kernel_compiles_for_cuda_targets_within_shared_memory():
-    """Compiled for real (PTX, no GPU needed; not the interpreter): sm_80 decodes the FP8 bits with integer ops
-    (its triton has no float8e4nv), sm_90 natively; dense and grouped with a row map; bf16 shared memory at the
-    launch parameters stays under 99 KB (L4 / RTX 4090, the smallest limit nextn targets)."""
+    """Compiled for real (PTX, no GPU needed; not the interpreter) at the launch table's configs: sm_80 decodes the
+    FP8 bits with integer ops (its triton has no float8e4nv), sm_90 natively; the step, prefill and grouped (row
+    map) families; bf16 shared memory under the device's limit and under the table's static estimate."""
     pytest.importorskip("triton.backends.nvidia")
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     r = subprocess.run([sys.executable, "-c", _COMPILE], cwd=Path(__file__).resolve().parents[1], env=env,
@@ -175,8 +179,8 @@ def test_the_kernel_compiles_for_cuda_targets_within_shared_memory():
     if r.returncode and "ptxas" in r.stderr and "not found" in r.stderr.lower():
         pytest.skip("triton's ptxas is not installed")
     assert r.returncode == 0, r.stderr[-3000:]
-    for cap, grouped, shared in json.loads(r.stdout.strip().splitlines()[-1]):
-        assert 0 < shared <= 99 * 1024, (cap, grouped, shared)
+    for cap, family, shared, est, limit in json.loads(r.stdout.strip().splitlines()[-1]):
+        assert 0 < shared <= min(est, limit), (cap, family, shared, est, limit)
 
 
 def test_dequantize_is_the_format_block_by_block():

@@ -24,10 +24,12 @@ from engine.model.config import Qwen35Config
 from engine.model.ops import act as _act
 from engine.model.ops import attention as _attn
 from engine.model.ops import dispatch as ops
+from engine.model.ops import matmul_fp8 as f8
 from engine.model.ops import norm as _norm
 from engine.model.ops import sample as _sample
 from tests.ops_util import needs_triton, spy
 from tests.tiny import hf_config, random_model
+from tools.quantize_fp8 import quantize
 
 pytestmark = needs_triton
 OOM = "out of resource: shared memory, Required: 233472, Hardware limit: 101376"
@@ -70,10 +72,45 @@ def test_every_kernel_matches_its_twin(moe, dtype):
     m = _model(moe, dtype)
     with ops.force_kernels():
         rep = selfcheck.startup(m, strict=True)
-    want = set(ops.KERNELS) - (set() if moe else {"grouped_matmul", "moe_combine"})
+    want = set(ops.KERNELS) - {"matmul_fp8"} - (set() if moe else {"grouped_matmul", "moe_combine"})
     assert {c.kernel for c in rep.kernels} == want
     assert [c for c in rep.kernels if not c.ok] == []
     assert set(rep.kernel_info().values()) == {"triton"} and ops.kernel_impls() == dict.fromkeys(ops.KERNELS, "triton")
+
+
+def _fp8_model(moe: bool):
+    """A bf16 model whose MLP / expert weights are FP8 (quantized by the tool from the format's definition), as the
+    loader leaves them on the kernel path."""
+    m = _model(moe, "bfloat16")
+    n = 0
+    for name, p in list(m.named_parameters()):
+        if "mlp" in name and name.endswith("weight") and p.dim() >= 2:
+            owner = m.get_submodule(name.rsplit(".", 1)[0])
+            q, s = quantize(p.detach())
+            setattr(owner, name.rsplit(".", 1)[1], torch.nn.Parameter(f8.mark(q, s), requires_grad=False))
+            n += 1
+    assert n
+    return m
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_an_fp8_model_checks_the_w8a16_matmul(moe):
+    with ops.force_kernels():
+        rep = selfcheck.startup(_fp8_model(moe), strict=True)
+    assert "matmul_fp8" in rep.kernel_info() and [c for c in rep.kernels if not c.ok] == []
+
+
+def test_a_wrong_fp8_matmul_runs_its_twin(monkeypatch):
+    with fault(monkeypatch, f8, "matmul_fp8", "wrong"), ops.force_kernels():
+        rep = selfcheck.startup(_fp8_model(False))
+        bad = [c for c in rep.kernels if not c.ok]
+        assert [c.kernel for c in bad] == ["matmul_fp8"] and "off the twin" in bad[0].detail, bad
+        assert ops.kernel_impls()["matmul_fp8"] == "torch"
+        g = torch.Generator().manual_seed(0)
+        w = f8.mark(*quantize(torch.randn(96, 160, generator=g) * 0.1))
+        with spy(f8, "matmul_fp8_ref") as twin:
+            ops.linear(torch.randn(2, 160, generator=g, dtype=torch.bfloat16), w)
+        assert twin, "an FP8 linear ran the kernel after its fallback"
 
 
 def test_the_torch_path_checks_nothing():

@@ -45,7 +45,7 @@ __all__ = ["HAS_TRITON", "KERNELS", "use_triton", "use_kernel", "fall_back", "ke
 #: `nextn_kernel_info` gauge and /health)
 KERNELS = ("matmul", "grouped_matmul", "rms_norm", "add_rms_norm", "gated_rms_norm", "attention", "gdn_update",
            "conv_update", "gdn_gates", "silu_mul", "moe_combine", "argmax", "sample", "gdn_prefill",
-           "attention_prefill")
+           "attention_prefill", "matmul_fp8")
 
 _FORCED = False
 _TWIN: dict[str, str] = {}  # kernel -> why this process runs its twin instead
@@ -132,7 +132,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = Non
     `out`: a contiguous [..., N] buffer to write (a CUDA graph's static logits). `phase`: the kernel's tiling,
     "step" (decode, verify, drafts) or "prefill" (prompt chunks; matmul.py)."""
     if _fp8.is_fp8(w):
-        return fp8_linear(x, w, out_dtype, out)
+        return fp8_linear(x, w, out_dtype, out, phase)
     x2 = x.reshape(-1, x.shape[-1])
     out2 = None if out is None else out.view(-1, w.shape[0])
     if use_kernel("matmul", x):
@@ -149,21 +149,22 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, rows
     matmul_fp8.grouped_matmul_fp8)."""
     if _fp8.is_fp8(w):
         scale, srows = _fp8.scales(w)
-        fn = _fp8.grouped_matmul_fp8 if use_kernel("grouped_matmul", x) else _fp8.grouped_matmul_fp8_ref
+        fn = _fp8.grouped_matmul_fp8 if use_kernel("matmul_fp8", x) else _fp8.grouped_matmul_fp8_ref
         return fn(x, w, scale, offsets, rows, srows, out_dtype)
     fn = _mm.grouped_matmul if use_kernel("grouped_matmul", x) else _mm.grouped_matmul_ref
     return fn(x, w, offsets, rows, out_dtype)
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, phase: str = "step") -> torch.Tensor:
     """x [..., K] @ w^T for an FP8 weight w [N, K] (float8_e4m3fn with its block scales, matmul_fp8.mark): the
-    W8A16 kernel where the kernels run, else the twin (dequantize, then the fp32-accumulated matmul)."""
+    W8A16 kernel where the kernels run (and it passed its startup check), else the twin (dequantize, then the
+    fp32-accumulated matmul). `phase`: the kernel's tiling, as `linear`'s."""
     x2 = x.reshape(-1, x.shape[-1])
     out2 = None if out is None else out.view(-1, w.shape[0])
     scale, rows = _fp8.scales(w)
-    if use_triton(x):
-        y = _fp8.matmul_fp8(x2, w, scale, rows, out_dtype, out=out2)
+    if use_kernel("matmul_fp8", x):
+        y = _fp8.matmul_fp8(x2, w, scale, rows, out_dtype, out=out2, phase=phase)
     else:
         y = _fp8.matmul_fp8_ref(x2, w, scale, rows, out_dtype)
         y = y if out2 is None else out2.copy_(y)

@@ -126,6 +126,40 @@ def _smem_matmul(c: Launch, dt: torch.dtype, d: dict) -> int:
     return c.num_stages * (c["BM"] * c["BK"] + c["BK"] * c["BN"]) * _esize(dt) + c["BM"] * c["BN"] * 4
 
 
+#: the FP8 format's block edge: the W8A16 matmul's K tile (one scale column per K tile, in every config)
+FP8_BK = 128
+
+
+def _matmul_fp8_step(t: str, dt: torch.dtype, d: dict) -> Launch:
+    """W8A16 decode / verify / drafts (matmul_fp8.py). BK is the format's block on every device."""
+    if t == INTERP:
+        return L(4, 1, BM=16, BN=64, BK=FP8_BK)
+    if dt == torch.float32:
+        return {LARGE: L(4, 3, BM=64, BN=64, BK=FP8_BK), MEDIUM: L(4, 2, BM=64, BN=64, BK=FP8_BK),
+                SMALL: L(4, 2, BM=32, BN=64, BK=FP8_BK)}[t]
+    return L(4, {LARGE: 4, MEDIUM: 3, SMALL: 2}[t], BM=64, BN=64, BK=FP8_BK)
+
+
+def _matmul_fp8_prefill(t: str, dt: torch.dtype, d: dict) -> Launch:
+    """W8A16 prompt chunks (M >= 256 rows of the grid): larger tiles where shared memory allows."""
+    if t == INTERP or dt == torch.float32:  # fp32 tiles leave no room for larger ones: the step tiling
+        return _matmul_fp8_step(t, dt, d)
+    return {LARGE: L(8, 2, BM=128, BN=128, BK=FP8_BK), MEDIUM: L(8, 2, BM=128, BN=64, BK=FP8_BK),
+            SMALL: L(4, 2, BM=64, BN=64, BK=FP8_BK)}[t]
+
+
+def _matmul_fp8_grouped(t: str, dt: torch.dtype, d: dict) -> Launch:
+    return L(4, 1 if t == INTERP else 2, BM=16, BN=64, BK=FP8_BK)  # MoE experts: a few rows per expert
+
+
+def _smem_matmul_fp8(c: Launch, dt: torch.dtype, d: dict) -> int:
+    # per stage: the activation tile A [BM, BK] (model dtype), the FP8 weight tile [BK, BN] (1 byte) and its
+    # block scales [BN] (fp32); the dequantized weight tile [BK, BN] in the model dtype (a dot operand computed
+    # in registers); the fp32 accumulator's epilogue
+    bm, bn, bk, e = c["BM"], c["BN"], c["BK"], _esize(dt)
+    return c.num_stages * (bm * bk * e + bk * bn + bn * 4) + bk * bn * e + bm * bn * 4
+
+
 def _attention(t: str, dt: torch.dtype, d: dict) -> Launch:
     """Decode / verify / draft attention (split-KV). BLOCK_N is part of the rounding (fixed per process)."""
     bd = _p2(d["hd"])
@@ -251,9 +285,9 @@ TABLE: dict[str, Entry] = {
     "race/chunk": Entry(("sample._race_chunk_kernel",), (), lambda t, dt, d: L(8, 1, CHUNK=RACE_CHUNK),
                         _smem_reduce_index),
     "race/merge": Entry(("sample._race_merge_kernel",), ("nch",), _race_merge, _smem_reduce_index),
-    # --- FP8 W8A16 matmul (engine/model/ops/matmul_fp8.py): its entries go here, e.g.
-    # "matmul_fp8/step" and "matmul_fp8/prefill", keyed and estimated like the bf16 families above (the weight
-    # tile is 1 byte per element plus its block scales) ---
+    "matmul_fp8/step": Entry(("matmul_fp8._matmul_fp8_kernel",), (), _matmul_fp8_step, _smem_matmul_fp8),
+    "matmul_fp8/prefill": Entry(("matmul_fp8._matmul_fp8_kernel",), (), _matmul_fp8_prefill, _smem_matmul_fp8),
+    "matmul_fp8/grouped": Entry(("matmul_fp8._matmul_fp8_kernel",), (), _matmul_fp8_grouped, _smem_matmul_fp8),
 }
 
 

@@ -12,13 +12,16 @@ row map attached (`mark`, read by `scales`): rows [N] int32 names the scale row 
 weight has none (row n reads scale row n // 128); a fused weight (q|k|v, gate|up) whose pieces do not end on
 128-row boundaries gets one (`fuse`), so any pieces fuse and keep their own blocks.
 
-Numerics: the kernel dequantizes each [BLOCK_K, BLOCK_N] weight tile to the activation dtype, as cast(q * scale)
+Numerics: the kernel dequantizes each [BK, BN] weight tile to the activation dtype, as cast(q * scale)
 (the same fp32 product and rounding as `dequantize`), then accumulates x @ tile in fp32 as matmul.py does: the
-weights it multiplies are bitwise those of the dequantized model. BLOCK_K is the format's block (128), so each K
-tile reads one scale per weight row.
+weights it multiplies are bitwise those of the dequantized model. The K tile is the format's block (128), so each
+K tile reads one scale per weight row.
+
+Launch configs: the launch table's "matmul_fp8/step", "matmul_fp8/prefill" and "matmul_fp8/grouped" (launch.py),
+the two dense families with matmul.py's meaning of `phase`.
 
 Contract (batch invariance, as matmul.py): row m of y depends only on x[m] and the weight: tiles and the K split
-(`fp8_config`) are functions of (N, K) only, every K block is accumulated in fp32 in the same order for every row,
+(`fp8_config`) are functions of (N, K) and the per-process tiling only, every K block is accumulated in fp32 in the same order for every row,
 and a K split is reduced by matmul.py's split-reduce kernel in index order. Nothing is chosen from M.
 
 The FP8 decode on the device: `tl` converts float8e4nv natively on compute capability >= 8.9 (Ada, Hopper,
@@ -33,20 +36,13 @@ import functools
 
 import torch
 
-from ._triton import HAS_TRITON, INTERPRET, cdiv, check_triton, tl, triton
-from .matmul import TARGET_PROGRAMS, expert_tiles, grouped_matmul_ref, matmul_ref
+from . import launch
+from ._triton import HAS_TRITON, cdiv, check_triton, tl, triton
+from .matmul import PHASES, TARGET_PROGRAMS, expert_tiles, grouped_matmul_ref, matmul_ref
 
 FP8 = torch.float8_e4m3fn
-BLOCK = 128  # the format's block edge (weight_block_size [128, 128])
-
-# Launch parameters. They move to the launch-config table (engine/model/ops/launch.py) with the other kernels'.
-BLOCK_M = 16 if INTERPRET else 64  # as matmul.py: a row's result never depends on BLOCK_M
-BLOCK_M_GROUPED = 16
-BLOCK_N = 64
-BLOCK_K = BLOCK  # one scale column per K tile
+BLOCK = launch.FP8_BK  # the format's block edge (weight_block_size [128, 128]); every config's K tile
 MIN_K_BLOCKS_PER_SPLIT = 2  # 256 elements of K per split at least, as matmul.py's 4 x 64
-NUM_WARPS = 4
-NUM_STAGES = 2  # x tile 16 KB + q tile 8 KB per stage at BLOCK_M 64 (bf16): under every GPU's shared memory
 
 
 def is_fp8(w: torch.Tensor) -> bool:
@@ -109,13 +105,15 @@ def fuse(ws: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
     return mark(q, scale, rows), views
 
 
-def fp8_config(N: int, K: int) -> tuple[int, int]:
-    """(k_per_split, split_k) for an FP8 weight [N, K]: a function of the weight shape only (never of M); each
-    split starts on a scale block."""
-    k_blocks = cdiv(K, BLOCK_K)
-    split = max(1, min(k_blocks // MIN_K_BLOCKS_PER_SPLIT, TARGET_PROGRAMS // cdiv(N, BLOCK_N)))
+def fp8_config(N: int, K: int, cfg: launch.Launch | None = None) -> tuple[int, int]:
+    """(k_per_split, split_k) for an FP8 weight [N, K] under the tiling `cfg` (default: the interpreter's "step"
+    tiling): a function of the weight shape and the tiling only (never of M); each split starts on a scale
+    block (BK is the format's block in every config)."""
+    cfg = cfg if cfg is not None else launch.choose("matmul_fp8/step", torch.float32, None)
+    k_blocks = cdiv(K, cfg["BK"])
+    split = max(1, min(k_blocks // MIN_K_BLOCKS_PER_SPLIT, TARGET_PROGRAMS // cdiv(N, cfg["BN"])))
     per = cdiv(k_blocks, split)  # K blocks per split; no empty split
-    return per * BLOCK_K, cdiv(k_blocks, per)
+    return per * cfg["BK"], cdiv(k_blocks, per)
 
 
 def matmul_fp8_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor | None = None,
@@ -214,44 +212,51 @@ def _check(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, srows: torch.T
 def _launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, srows: torch.Tensor | None, y: torch.Tensor,
             M: int, N: int, K: int, split_k: int | None,
             grouped: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None, rows: torch.Tensor | None,
-            bm: int, m_tiles: int) -> None:
-    k_per, split = fp8_config(N, K)
-    if split_k is not None:  # explicit override (tests); still never derived from M, still on scale blocks
-        k_per = cdiv(cdiv(K, BLOCK_K), split_k) * BLOCK_K
+            cfg: launch.Launch, m_tiles: int) -> None:
+    k_per, split = fp8_config(N, K, cfg)
+    if split_k is not None:  # explicit override (tests, prefill); still never derived from M, still on scale blocks
+        k_per = cdiv(cdiv(K, cfg["BK"]), split_k) * cfg["BK"]
         split = cdiv(K, k_per)
     part = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else y
     native = _native(q)
     qk = q if native else q.view(torch.uint8)
     te, tr, offs, E = grouped if grouped is not None else (y, y, y, 1)
     sqe, sse = (q.stride(0), scale.stride(0)) if grouped is not None else (0, 0)
-    grid = (m_tiles, cdiv(N, BLOCK_N), split)
+    grid = (m_tiles, cdiv(N, cfg["BN"]), split)
     _matmul_fp8_kernel[grid](x, qk, scale, srows if srows is not None else y, y, part,
                              rows if rows is not None else y, te, tr, offs, M, N, K, E, k_per,
                              x.stride(0), x.stride(1), sqe, q.stride(-2), q.stride(-1), sse, scale.stride(-2),
                              scale.stride(-1), y.stride(0), y.stride(1),
-                             BM=bm, BN=BLOCK_N, BK=BLOCK_K, GROUPED=grouped is not None, GATHER=rows is not None,
-                             SPLIT=split > 1, ROWMAP=srows is not None, NATIVE=native,
-                             IEEE=x.dtype == torch.float32, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+                             GROUPED=grouped is not None, GATHER=rows is not None, SPLIT=split > 1,
+                             ROWMAP=srows is not None, NATIVE=native, IEEE=x.dtype == torch.float32,
+                             **cfg.kwargs())
     if split > 1:
-        blk = 1024
-        _split_reduce_kernel[(cdiv(M * N, blk),)](part, y, M * N, N, split, y.stride(0), y.stride(1), BLOCK=blk)
+        red = launch.get("matmul/split_reduce", y.dtype, y.device)
+        _split_reduce_kernel[(cdiv(M * N, red["BLOCK"]),)](part, y, M * N, N, split, y.stride(0), y.stride(1),
+                                                           **red.kwargs())
 
 
 def matmul_fp8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor | None = None,
                out_dtype: torch.dtype | None = None, split_k: int | None = None,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, phase: str = "step") -> torch.Tensor:
     """Triton: x [M, K] @ dequantize(q, scale, rows, x.dtype)^T -> y [M, N] (fp32 accumulate; out_dtype default
     x.dtype, fp32 for logits). q float8_e4m3fn [N, K], scale fp32 [ceil(N/128), ceil(K/128)] (or the rows its row
     map names), rows None or int32 [N]. Any strides of x and y. `split_k` overrides the (N, K)-derived K split.
-    `out`: a [M, N] buffer to write (static buffers under CUDA graphs)."""
+    `out`: a [M, N] buffer to write (static buffers under CUDA graphs). `phase`: the tiling family, "step" or
+    "prefill" (matmul.py's contract: a prompt chunk never has a K split)."""
     _check(x, q, scale, rows)
+    if phase not in PHASES:
+        raise ValueError(f"unknown matmul phase {phase!r} ({', '.join(PHASES)})")
     M, K = x.shape
     N = q.shape[0]
     assert q.shape[1] == K, (x.shape, q.shape)
     y = out if out is not None else torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
     if M == 0:
         return y
-    _launch(x, q, scale, rows, y, M, N, K, split_k, None, None, BLOCK_M, cdiv(M, BLOCK_M))
+    cfg = launch.get(f"matmul_fp8/{phase}", x.dtype, x.device)
+    if phase == "prefill" and split_k is None:
+        split_k = 1  # as matmul.py: prompt chunks never take a K split (fixed, not from M)
+    _launch(x, q, scale, rows, y, M, N, K, split_k, None, None, cfg, cdiv(M, cfg["BM"]))
     return y
 
 
@@ -267,7 +272,8 @@ def grouped_matmul_fp8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, of
     y = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
     if M == 0:
         return y
-    te, tr, n = expert_tiles(offsets, M, BLOCK_M_GROUPED)
+    cfg = launch.get("matmul_fp8/grouped", x.dtype, x.device)
+    te, tr, n = expert_tiles(offsets, M, cfg["BM"])
     offs = offsets.to(device=x.device, dtype=torch.int32)
-    _launch(x, q, scale, srows, y, M, N, K, None, (te, tr, offs, E), rows, BLOCK_M_GROUPED, n)
+    _launch(x, q, scale, srows, y, M, N, K, None, (te, tr, offs, E), rows, cfg, n)
     return y

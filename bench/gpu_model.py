@@ -33,7 +33,7 @@ from engine.model.config import Qwen35Config
 from engine.model.ops import dispatch as ops
 from engine.model.qwen35 import Qwen35ForCausalLM
 from engine.scheduler import Scheduler
-from engine.spec import SpecSession
+from engine.spec import DraftedSession, SpecSession
 
 K_MAX = 4
 W = K_MAX + 1
@@ -189,7 +189,7 @@ def gdn_restore(pool: StatePool, slots: list[int], snap: list[tuple[torch.Tensor
 
 
 def forced_drafter(ref: list[int], plen: int, V: int, seed: int, wrong_rate: float = 0.3):
-    """draft_override: the true greedy token, except at hashed positions where it is deliberately wrong."""
+    """A `DraftedSession` drafter: the true greedy token, except at hashed positions where it is deliberately wrong."""
     def override(pos: int, j: int, d: int) -> int:
         i = pos - plen
         if i >= len(ref):
@@ -211,8 +211,8 @@ def _run_sched(m: Qwen35ForCausalLM, prompts: list[list[int]], new: int, k: int,
     scheduler)."""
     sched = Scheduler(m, max_num_seqs=len(prompts), max_model_len=max_len, k=k,
                       max_num_batched_tokens=sum(len(p) for p in prompts) + 64, step_graphs=True)
-    ss = [SpecSession(m, p, new, k=k, pool=sched.pool, draft_override=drafters[i] if drafters else None)
-          for i, p in enumerate(prompts)]
+    ss = [DraftedSession(m, p, new, k=k, pool=sched.pool, drafter=drafters[i]) if drafters
+          else SpecSession(m, p, new, k=k, pool=sched.pool) for i, p in enumerate(prompts)]
     for s in ss:
         sched.add(s)
     sched.step()  # every prompt prefilled, first tokens out

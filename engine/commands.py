@@ -1,4 +1,4 @@
-"""Engine-level CLI subcommands: `nextn generate`, `nextn bench spec`, `nextn dspark-extract`, `nextn optipipe-gate`.
+"""Engine-level CLI subcommands: `nextn generate`, `nextn bench spec` (the research ones are in research/commands.py).
 
 `register(subparsers)` adds them to the `nextn` argparse tree; each parser gets `func(args) -> int`.
 """
@@ -26,7 +26,8 @@ def _k_range(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model arguments every model subcommand takes: MODEL_DIR, --device, --dtype."""
     p.add_argument("model_dir", help="HF checkpoint directory (config.json + safetensors)")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 | float64 (default: the config's)")
@@ -42,7 +43,7 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
 def register(subparsers: "argparse._SubParsersAction") -> None:
     """Add the engine subcommands to `subparsers`."""
     g = subparsers.add_parser("generate", help="generate from a model dir (plain or speculative)")
-    _add_model_args(g)
+    add_model_args(g)
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (raw, or a user message with --chat)")
     src.add_argument("--prompt-ids", help="comma-separated prompt token ids")
@@ -61,7 +62,7 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
     b = subparsers.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench_kind", required=True)
     bs = bsub.add_parser("spec", help="self-consistency gate: spec vs plain greedy per K, with speed")
-    _add_model_args(bs)
+    add_model_args(bs)
     bs.add_argument("--k", default="1..4", help="K values, e.g. 1..8 or 1,3,5")
     bs.add_argument("--max-tokens", type=int, default=128)
     bs.add_argument("--prompts", default=None, help="file with one prompt per line (chat-rendered); default: built-in")
@@ -70,31 +71,9 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
     _add_spec_args(bs)
     bs.set_defaults(func=cmd_bench_spec)
 
-    d = subparsers.add_parser("dspark-extract", help="write DSpark anchor records from prompts + greedy responses")
-    _add_model_args(d)
-    d.add_argument("--prompts", required=True, help="file with one prompt per line (chat-rendered)")
-    d.add_argument("--out", required=True, help="output directory")
-    d.add_argument("--max-tokens", type=int, default=64)
-    d.add_argument("--gamma", type=int, default=5)
-    d.add_argument("--top-k", type=int, default=64)
-    d.add_argument("--temperature", type=float, default=0.7)
-    d.add_argument("--anchors-per-pair", type=int, default=4)
-    d.add_argument("--seed", type=int, default=20260811)
-    d.add_argument("--split", choices=["train", "heldout"], default="train")
-    d.set_defaults(func=cmd_dspark_extract)
 
-    o = subparsers.add_parser("optipipe-gate", help="OPTIPIPE research harness: forced OptiFork verdicts vs serial")
-    _add_model_args(o)
-    o.add_argument("--mode", required=True, choices=["off", "hit", "miss", "alternate", "abort", "controller"],
-                   help="forced verdict (hit, miss, alternate, abort), the increment-2 controller, or off")
-    o.add_argument("--q", type=float, default=0.7, help="controller threshold on p(d1) * p(d2) (default 0.7)")
-    o.add_argument("--max-tokens", type=int, default=48)
-    o.add_argument("--prompts", default=None, help="file with one prompt per line (chat-rendered); default: built-in")
-    o.add_argument("--json", action="store_true", help="print one JSON object")
-    o.set_defaults(func=cmd_optipipe_gate)
-
-
-def _load(args):
+def load_model_from_args(args):
+    """The model `add_model_args`' arguments name (gradients off)."""
     import torch
 
     from .loader import load_model
@@ -103,7 +82,8 @@ def _load(args):
     return load_model(args.model_dir, device=args.device, dtype=args.dtype)
 
 
-def _tokenizer(model_dir: str):
+def tokenizer_or_none(model_dir: str):
+    """The model dir's tokenizer, or None when it has none."""
     from .tokenizer import Tokenizer
 
     try:
@@ -112,7 +92,8 @@ def _tokenizer(model_dir: str):
         return None
 
 
-def _chat_ids(tok, text: str) -> list[int]:
+def chat_ids(tok, text: str) -> list[int]:
+    """`text` as one user message rendered with the chat template (thinking off), as token ids."""
     return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                               enable_thinking=False))
 
@@ -122,15 +103,15 @@ def cmd_generate(args) -> int:
     from .sampling import SpecSampling
     from .spec import SpecSession
 
-    model = _load(args)
-    tok = _tokenizer(args.model_dir)
+    model = load_model_from_args(args)
+    tok = tokenizer_or_none(args.model_dir)
     if args.prompt_ids is not None:
         ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
     else:
         if tok is None:
             print("error: --prompt needs a tokenizer.json in the model dir (or use --prompt-ids)", file=sys.stderr)
             return 2
-        ids = _chat_ids(tok, args.prompt) if args.chat else tok.encode(args.prompt)
+        ids = chat_ids(tok, args.prompt) if args.chat else tok.encode(args.prompt)
     k = args.num_speculative_tokens
     if k is None:
         k = 3 if model.config.has_mtp else 0
@@ -189,14 +170,14 @@ def cmd_bench_spec(args) -> int:
     """`nextn bench spec`: prints the per-K table and PASS/FAIL; exit 1 when any K differs from plain."""
     import torch
 
-    model = _load(args)
-    tok = _tokenizer(args.model_dir)
+    model = load_model_from_args(args)
+    tok = tokenizer_or_none(args.model_dir)
     if args.prompts:
         texts = [ln.strip() for ln in Path(args.prompts).read_text().splitlines() if ln.strip()]
     else:
         texts = DEFAULT_BENCH_PROMPTS
     if tok is not None:
-        prompts = [_chat_ids(tok, t) for t in texts]
+        prompts = [chat_ids(tok, t) for t in texts]
         eos = tok.eos_token_ids
     else:
         g = torch.Generator().manual_seed(0)
@@ -218,46 +199,3 @@ def cmd_bench_spec(args) -> int:
                   f"{'/'.join(f'{x:.2f}' for x in r['pos_rate']):<12}  {'PASS' if r['identical'] else 'FAIL'}")
         print("=== SELF-CONSISTENCY PASS ===" if res["pass"] else "=== SELF-CONSISTENCY FAIL ===")
     return 0 if res["pass"] else 1
-
-
-def cmd_dspark_extract(args) -> int:
-    """`nextn dspark-extract`: greedy responses to the prompts, then anchor records (see engine/dspark.py)."""
-    from .dspark import extract_corpus
-
-    model = _load(args)
-    tok = _tokenizer(args.model_dir)
-    if tok is None:
-        print("error: dspark-extract needs a tokenizer in the model dir", file=sys.stderr)
-        return 2
-    texts = [ln.strip() for ln in Path(args.prompts).read_text().splitlines() if ln.strip()]
-    n = extract_corpus(model, [_chat_ids(tok, t) for t in texts], Path(args.out), max_new_tokens=args.max_tokens,
-                       eos_ids=tok.eos_token_ids, gamma=args.gamma, top_k=args.top_k, temperature=args.temperature,
-                       anchors_per_pair=args.anchors_per_pair, seed=args.seed, split=args.split)
-    print(f"wrote {n} records to {args.out}")
-    return 0
-
-
-def cmd_optipipe_gate(args) -> int:
-    """`nextn optipipe-gate`: run the forced OptiFork harness (engine/optipipe.py `run_gate`), print the invariant
-    checks; exit 1 when any fails."""
-    import torch
-
-    from .optipipe import OptiForkGateMode, run_gate
-
-    model = _load(args)
-    tok = _tokenizer(args.model_dir)
-    texts = ([ln.strip() for ln in Path(args.prompts).read_text().splitlines() if ln.strip()] if args.prompts
-             else DEFAULT_BENCH_PROMPTS[:2])
-    if tok is not None:
-        prompts = [_chat_ids(tok, t) for t in texts]
-    else:
-        g = torch.Generator().manual_seed(0)
-        prompts = [torch.randint(0, model.config.vocab_size, (16,), generator=g).tolist() for _ in texts]
-    try:
-        report = run_gate(model, OptiForkGateMode.parse(args.mode), prompts, max_new_tokens=args.max_tokens,
-                          threshold=args.q)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps(report.to_dict()) if args.json else "\n".join(report.lines()))
-    return 0 if report.passed else 1

@@ -1,5 +1,5 @@
 """Prompt prefill on the fixed grid: the forwards that run joining sessions' prompt blocks, and whether one forward
-may carry several rows.
+may carry several rows; `prefill` runs one sequence into a `ModelCache` the same way (tools, tests, research).
 
 A prompt is prefilled in grid blocks (`engine.cache.PREFILL_GRID`): a block starts where the session's cache ends
 and stops at the next multiple of the grid (absolute positions) or at the prompt's end, so where a prompt's chunks
@@ -16,17 +16,38 @@ split never depends on the token budget, the batch or K. What a block computes m
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
+from .cache import PREFILL_GRID, ModelCache
 from .model.ops import cpu
 from .model.ops import dispatch as ops
 from .model.qwen35 import FwdCtx, Qwen35ForCausalLM
-from .spec import _queued_mtp_rows
+from .session import SessionState, _queued_mtp_rows
 
-if TYPE_CHECKING:
-    from .spec import SpecSession
+
+def prefill(model: Qwen35ForCausalLM, ids: list[int], cache: ModelCache,
+            want_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Run `ids` into `cache` at cache.length, one forward per prefill-grid block (as a session prefills).
+    Returns (fp32 logits of the last row [V], post-norm hiddens [T, H] and pre-norm hiddens [T, H] of every row
+    when want_hidden, else None)."""
+    dev = model.lm_head.weight.device
+    cache.check_room(len(ids))
+    pres, last = [], None
+    c0 = 0
+    while c0 < len(ids):
+        n = min(len(ids) - c0, PREFILL_GRID - cache.length % PREFILL_GRID)
+        x = torch.tensor([ids[c0:c0 + n]], device=dev)
+        c0 += n
+        h = model.forward_hidden(x, cache.length, cache)[0]  # [t, H]
+        cache.length += x.shape[1]
+        if want_hidden:
+            pres.append(h)
+        last = h[-1]
+    logits = model.logits(model.model.norm(last))
+    if not want_hidden:
+        return logits, None, None
+    pre = torch.cat(pres)
+    return logits, model.model.norm(pre), pre
 
 
 def packs_rows(model: Qwen35ForCausalLM) -> bool:
@@ -45,16 +66,16 @@ steps_match_prefill = packs_rows
 
 
 @torch.inference_mode()
-def prefill_rows(model: Qwen35ForCausalLM, rows: list[SpecSession]) -> None:
-    """Prefill the next grid block (`SpecSession.next_chunk`) of every row's queued prompt in ONE trunk forward,
-    then each row's host side as `SpecSession.prefill_chunk` does. Rows are right-padded to the longest block: the
+def prefill_rows(model: Qwen35ForCausalLM, rows: list[SessionState]) -> None:
+    """Prefill the next grid block (`SessionState.next_chunk`) of every row's queued prompt in ONE trunk forward,
+    then each row's host side as `SessionState.prefill_chunk` does. Rows are right-padded to the longest block: the
     padding's K/V land past the row's length (overwritten later) and its GDN tokens leave the state unchanged
     (`FwdCtx` lens), so each row ends in the state of its own tokens. The caller checks that every row's
     cache.length + longest block fits the pool's capacity, and that the forward's rows are independent
     (`packs_rows`, or one row). A row whose block does not fit its cache or whose host side fails is failed
     alone; a failing forward raises (every row is then in doubt)."""
     chunks: list[list[int]] = []
-    live: list[SpecSession] = []
+    live: list[SessionState] = []
     for r in rows:
         try:
             chunks.append(r.next_chunk())
@@ -90,7 +111,7 @@ def prefill_rows(model: Qwen35ForCausalLM, rows: list[SpecSession]) -> None:
             r.fail(e)
 
 
-def flush_mtp_rows(model: Qwen35ForCausalLM, rows: list[SpecSession]) -> None:
+def flush_mtp_rows(model: Qwen35ForCausalLM, rows: list[SessionState]) -> None:
     """Write every row's queued MTP rows into its scratch in ONE head forward, rows right-padded (the padding's K/V
     land past each row's scratch length and are overwritten later). Rows of sessions that prefill alone or
     finish go through here too (a row's rows are final once their next token is known)."""

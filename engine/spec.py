@@ -18,182 +18,41 @@ A row whose own hook (grammar, penalties, sampler) raises at any step fails alon
 had never been in the batch.
 `SpecSession` holds one request's state; `engine.scheduler.Scheduler` batches sessions (continuous batching,
 chunked prefill). A session built without a scheduler runs alone on a private one-slot pool (`generate_spec`).
+
+This module keeps the public names and the round; the rest lives beside it: the session's state, prefill and
+commit in `engine.session`, the draft and accept steps in `engine.draft`, the single-sequence forwards in
+`engine.forward`, prefill forwards in `engine.prefill`. `ROUND_HOOK` is the one door for research code
+(research/optipipe.py arms it); it is None unless armed.
 """
 from __future__ import annotations
 
-import sys
-from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Callable
 
 import torch
 
-from .cache import PREFILL_GRID, ModelCache, MtpScratch, StatePool
+from .draft import _accept, _draft
+from .forward import MTP_CHUNK, decode_step_t, mtp_head_forward
 from .graphs import EAGER, StepRunner
-from .model.ops import dispatch as ops
-from .model.qwen35 import FwdCtx, Qwen35ForCausalLM
-from .optipipe import optipipe_round
-from .sampling import PenaltyState, SpecSampling, probs_from_logits, sample
+from .model.qwen35 import Qwen35ForCausalLM
+from .prefill import prefill
+from .sampling import SpecSampling
+from .session import (DEFAULT_CAPMAX, PROMPT_LOGPROB_ROWS, SPEC_TELEM_POS, SessionState, SpecConstraint,
+                      SpecTelemetry, TokenLogprob)
 
 __all__ = [
     "SPEC_TELEM_POS", "SpecTelemetry", "SpecSampling", "SpecConstraint", "SpecSession", "TokenLogprob",
-    "decode_step_t", "mtp_head_forward", "generate_spec", "prefill", "spec_round",
+    "decode_step_t", "mtp_head_forward", "generate_spec", "prefill", "spec_round", "DraftedSession", "ROUND_HOOK",
+    "DEFAULT_CAPMAX", "MTP_CHUNK", "PROMPT_LOGPROB_ROWS",
 ]
 
-SPEC_TELEM_POS = 8  # tracked draft positions (serve K defaults to 3; gates sweep K = 1..8)
-DEFAULT_CAPMAX = 7
-MTP_CHUNK = 512  # mtp_head_forward: rows per head forward of a long queue
-PROMPT_LOGPROB_ROWS = 64  # prompt logprobs: logit rows materialised at once ([64, V], never [prompt, V])
+#: The research door: None unless armed (research/optipipe.py sets it). Armed, `spec_round` calls
+#: ROUND_HOOK(rows, ks) before drafting; what it returns (None, or an object with `resolve(model, drafts, host)`)
+#: is resolved after the round's commits. The round's drafts, verify, acceptance and commits never depend on it.
+ROUND_HOOK: Callable[[list[Any], list[int]], Any] | None = None
 
 
-@dataclass
-class SpecTelemetry:
-    """Per-draft-position acceptance counters (vLLM / llama.cpp schema), updated once per verify round after
-    grammar truncation. p-min-discarded draft tokens count in neither drafted nor accepted."""
-
-    rounds: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    pos_drafted: list[int] = field(default_factory=lambda: [0] * SPEC_TELEM_POS)
-    pos_accepted: list[int] = field(default_factory=lambda: [0] * SPEC_TELEM_POS)
-
-    def record_round(self, k_round: int, n_acc: int) -> None:
-        """Count one verify round that drafted k_round tokens of which n_acc were accepted."""
-        self.rounds += 1
-        self.drafted += k_round
-        self.accepted += n_acc
-        for j in range(min(k_round, SPEC_TELEM_POS)):
-            self.pos_drafted[j] += 1
-        for j in range(min(n_acc, SPEC_TELEM_POS)):
-            self.pos_accepted[j] += 1
-
-    def delta_since(self, prev: "SpecTelemetry") -> "SpecTelemetry":
-        """Fieldwise saturating self - prev (never negative)."""
-        return SpecTelemetry(max(self.rounds - prev.rounds, 0), max(self.drafted - prev.drafted, 0),
-                             max(self.accepted - prev.accepted, 0),
-                             [a - b if a > b else 0 for a, b in zip(self.pos_drafted, prev.pos_drafted)],
-                             [a - b if a > b else 0 for a, b in zip(self.pos_accepted, prev.pos_accepted)])
-
-    def merge(self, d: "SpecTelemetry") -> None:
-        """Fieldwise += d."""
-        self.rounds += d.rounds
-        self.drafted += d.drafted
-        self.accepted += d.accepted
-        self.pos_drafted = [a + b for a, b in zip(self.pos_drafted, d.pos_drafted)]
-        self.pos_accepted = [a + b for a, b in zip(self.pos_accepted, d.pos_accepted)]
-
-    def copy(self) -> "SpecTelemetry":
-        return SpecTelemetry(self.rounds, self.drafted, self.accepted, list(self.pos_drafted), list(self.pos_accepted))
-
-    @property
-    def acceptance_rate(self) -> float:
-        """accepted / drafted (0 when nothing was drafted)."""
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def tokens_per_round(self) -> float:
-        """(accepted + rounds) / rounds: mean tokens emitted per verify round (bonus included)."""
-        return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
-
-    def to_dict(self, k: int | None = None) -> dict:
-        """JSON form; positions trimmed to k (default: the deepest position ever drafted)."""
-        n = k if k is not None else max((j + 1 for j, c in enumerate(self.pos_drafted) if c), default=0)
-        return {"rounds": self.rounds, "drafted": self.drafted, "accepted": self.accepted,
-                "acceptance_rate": round(self.acceptance_rate, 6),
-                "pos_drafted": self.pos_drafted[:n], "pos_accepted": self.pos_accepted[:n]}
-
-
-@runtime_checkable
-class SpecConstraint(Protocol):
-    """Grammar hook; the engine never imports a grammar library. Contract (verify-side truncation rule):
-    accepted drafts are checked in order with `is_allowed` and `consume`d until the first illegal one (acceptance
-    is truncated there); a cut or an illegal bonus is replaced by the masked argmax of the target's own column;
-    every emitted token is `consume`d in order; plain steps choose from `mask_logits`. EOS handling is the
-    implementor's job. Optional draft-side hooks: `draft_begin()`; `draft_allowed(tok) -> bool` (False stops the
-    draft chain before that token; True consumes it provisionally); `draft_mask_logits(row)` (the drafter's
-    logits masked by the state the drafts so far reach); `window_mask(n, device) -> bool [n, V]` (row j = tokens
-    allowed after the first j drafts of the round; greedy acceptance then follows the masked argmax of each
-    verify column, which is what constrained plain greedy picks, so the truncation rule never fires)."""
-
-    def is_allowed(self, tok: int) -> bool: ...
-
-    def mask_logits(self, row: torch.Tensor) -> torch.Tensor: ...
-
-    def consume(self, tok: int) -> None: ...
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """Log-probability of an emitted (or prompt) token under the target model's raw distribution, plus top
-    alternatives; `rank` (1 = the most likely token) is filled for prompt tokens."""
-
-    token: int
-    logprob: float
-    top: list[tuple[int, float]]
-    rank: int | None = None
-
-
-def prefill(model: Qwen35ForCausalLM, ids: list[int], cache: ModelCache,
-            want_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Run `ids` into `cache` at cache.length, one forward per prefill-grid block (as a session prefills).
-    Returns (fp32 logits of the last row [V], post-norm hiddens [T, H] and pre-norm hiddens [T, H] of every row
-    when want_hidden, else None)."""
-    dev = model.lm_head.weight.device
-    cache.check_room(len(ids))
-    pres, last = [], None
-    c0 = 0
-    while c0 < len(ids):
-        n = min(len(ids) - c0, PREFILL_GRID - cache.length % PREFILL_GRID)
-        x = torch.tensor([ids[c0:c0 + n]], device=dev)
-        c0 += n
-        h = model.forward_hidden(x, cache.length, cache)[0]  # [t, H]
-        cache.length += x.shape[1]
-        if want_hidden:
-            pres.append(h)
-        last = h[-1]
-    logits = model.logits(model.model.norm(last))
-    if not want_hidden:
-        return logits, None, None
-    pre = torch.cat(pres)
-    return logits, model.model.norm(pre), pre
-
-
-def decode_step_t(model: Qwen35ForCausalLM, tokens: list[int], pos0: int, cache: ModelCache,
-                  record: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One target forward over T tokens of one sequence at positions pos0.. (cache.length must equal pos0);
-    advances the cache by T. Returns (fp32 logits [T, V] for every column, post-norm hidden [T, H], pre-norm
-    hidden [T, H]). record=True keeps per-position GDN states (the caller must have called cache.snapshot()).
-    The batched round uses `verify_step`; this is the same forward for a single `ModelCache`."""
-    assert cache.length == pos0, (cache.length, pos0)
-    cache.check_room(len(tokens))
-    x = torch.tensor([tokens], device=model.lm_head.weight.device)
-    pre = model.forward_hidden(x, pos0, cache, record=record)[0]  # [T, H]
-    cache.length += len(tokens)
-    # a recording forward is a step forward: its final norm and LM head run as the round's verify runs them
-    step = FwdCtx.make(model.config, x.device, pre.dtype, [cache.slot], [pos0], [0], [0], len(tokens),
-                       True) if record else None
-    post = model.model.norm(pre, step)
-    return model.logits(post, ctx=step), post, pre
-
-
-def mtp_head_forward(model: Qwen35ForCausalLM, tokens: list[int], hidden: torch.Tensor, pos: int,
-                     scratch: MtpScratch, chunk: int = MTP_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
-    """NextN step(s) for one sequence: rows (token i+1, trunk/head hidden of row i) at positions pos.. write the
-    head's K/V into `scratch`; returns (fp32 draft logits of the LAST row [V], head hidden of the last row
-    [1, H]). Long queues (after a prefill) run in chunks of `chunk` rows and only the last row (the one whose draft
-    is used) ever gets logits, so memory stays O(chunk * context + V). The batched round drafts in `_draft`."""
-    hm = hidden[:0]
-    dt = model.model.embed_tokens.weight.dtype
-    for c0 in range(0, len(tokens), chunk):
-        x = torch.tensor([tokens[c0:c0 + chunk]], device=hidden.device)
-        ctx = FwdCtx.make(model.config, hidden.device, dt, [scratch.slot], [pos + c0], [0], [0], x.shape[1], False)
-        hm = model.mtp_forward(x, hidden[None, c0:c0 + chunk], ctx, scratch.kv)[0]  # [t, H]
-    last = hm[-1:]  # [1, H]
-    return model.logits(last[0]), last
-
-
-class SpecSession:
-    """Per-request decode state: a slot of a state pool (trunk cache + MTP scratch), committed tokens,
-    penalty history, generator, telemetry.
+class SpecSession(SessionState):
+    """Per-request decode state (`engine.session.SessionState`) that can also run alone.
 
     k = 0 (or a model without MTP) is plain decode. Alone (no scheduler): `step(max_rounds)` runs prefill and
     emits the first token on the first call, then up to max_rounds rounds, and returns the newly emitted token
@@ -201,103 +60,6 @@ class SpecSession:
     identical for every k and every batch; `max_new_tokens` is never exceeded (the last rounds draft fewer
     tokens instead).
     """
-
-    def __init__(self, model: Qwen35ForCausalLM, prompt_ids: list[int], max_new_tokens: int, *, k: int = 3,
-                 sampling: SpecSampling = SpecSampling(), constraint: SpecConstraint | None = None,
-                 eos_ids: list[int] | tuple[int, ...] | set[int] = (), p_min: float = 0.0,
-                 capmax: int = DEFAULT_CAPMAX, logprobs: int | tuple[int, ...] | None = None, hidden_mode: str = "post",
-                 max_len: int | None = None, draft_override: Callable[[int, int, int], int] | None = None,
-                 stats_line: bool = False, pool: StatePool | None = None, prompt_logprobs: int | None = None):
-        if not prompt_ids:
-            raise ValueError("prompt must contain at least one token")
-        if max_new_tokens < 1:
-            raise ValueError("max_new_tokens must be >= 1")
-        if k < 0 or k > capmax:
-            raise ValueError(f"k must be in [0, capmax={capmax}], got {k}")
-        if hidden_mode not in ("post", "pre"):
-            raise ValueError("hidden_mode must be 'post' or 'pre'")
-        cfg = model.config
-        self.model, self.cfg = model, cfg
-        # no MTP head -> plain; sampled + constrained -> plain (the truncation rule is a greedy-exactness rule)
-        self.k = k if cfg.has_mtp and (constraint is None or sampling.greedy) else 0
-        self.sampling, self.constraint = sampling, constraint
-        self.eos = set(eos_ids)
-        self.p_min, self.capmax, self.hidden_mode = p_min, capmax, hidden_mode
-        # emitted tokens' logprobs: None = off; n = with the n most likely alternatives; a tuple of token ids = with
-        # those ids' logprobs instead (vLLM's logprob_token_ids)
-        self.want_logprobs = logprobs
-        # logprobs of each prompt token after the first (and `prompt_logprobs` alternatives), computed during
-        # prefill only when asked; [None] + one entry per later prompt token
-        self.want_prompt_logprobs = prompt_logprobs
-        self.prompt_logprobs: list[TokenLogprob | None] = []
-        self.draft_override = draft_override
-        self.stats_line = stats_line
-        self.prompt_ids = list(prompt_ids)
-        self.max_new_tokens = max_new_tokens
-        self.device, self.dtype = model.lm_head.weight.device, cfg.dtype
-        need = len(prompt_ids) + max_new_tokens + capmax + 1
-        self.max_len = max(max_len or 0, need)
-        self.pool: StatePool | None = None
-        self.slot: int | None = None
-        self.cache: ModelCache = None  # type: ignore[assignment]  # set by attach()
-        self.scratch: MtpScratch | None = None
-        self.committed: list[int] = []  # tokens whose K/V + state are in the trunk cache
-        self.pending: int | None = None  # last emitted token, not yet in the trunk cache
-        self.emitted: list[int] = []
-        self.logprobs: list[TokenLogprob] = []
-        self.telem = SpecTelemetry()
-        self.full_accept = 0
-        self.len_hist = [0] * (capmax + 1)  # rounds by drafted length
-        self.acc_hist = [0] * (capmax + 1)  # rounds by accepted length
-        self.constraint_cuts = 0  # rounds where the constraint truncated acceptance
-        self.finished = False
-        self.finish_reason: str | None = None
-        self.error: BaseException | None = None  # set when the scheduler failed this session
-        self._pen = PenaltyState(self.prompt_ids, cfg.vocab_size, self.device, sampling, self.eos)
-        self._gen = torch.Generator(device=self.device)
-        self._gen.manual_seed(sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
-        # MTP rows waiting to be written: row i = (token i+1, carrier hidden h_i), rows scratch.length..
-        self._mtp_tokens: list[int] = []
-        self._mtp_hidden: torch.Tensor | None = None
-        self.prefill_tokens = 0  # tokens run through prefill (multi-turn reuse prefills only the new suffix)
-        self.cached_tokens = 0  # prompt tokens restored from the prefix cache instead of prefilled
-        self.last_pre: torch.Tensor | None = None  # [H] pre-norm hidden of the last position prefilled
-        self.round_pre: torch.Tensor | None = None  # [T, H] the last round's pre-norm verify hiddens
-        self._to_prefill: list[int] = []  # ids not yet prefilled (their first `_prefilled` are done)
-        self._prefilled = 0
-        self._constraint_consumed = 0  # drafts already consumed by the constraint walk of this round
-        self._window = 0  # drafts the constraint consumed while drafting this round (for its window masks)
-        self._last_row: tuple | None = None  # the prompt's last row (pre, post [1, H], its forward's ctx)
-        self._closed = False
-        if pool is None:  # alone: a private one-slot pool sized for this request
-            pool = StatePool(cfg, 1, self.max_len, self.k + 1, self.device, self.dtype, mtp=self.k > 0)
-        if self.k + 1 > pool.window:
-            raise ValueError(f"k={self.k} needs {self.k + 1} GDN state slots; the pool has {pool.window}")
-        self.attach(pool, pool.alloc())
-        self.begin_prefill(self.prompt_ids)
-
-    # ------------------------------------------------------------------ public
-    @property
-    def started(self) -> bool:
-        """The first token was emitted."""
-        return bool(self.emitted) or self.pending is not None
-
-    @property
-    def prefilling(self) -> bool:
-        """Prompt tokens are still waiting for prefill."""
-        return self._prefilled < len(self._to_prefill)
-
-    @property
-    def prefill_left(self) -> int:
-        """Prompt tokens still waiting for prefill."""
-        return len(self._to_prefill) - self._prefilled
-
-    def attach(self, pool: StatePool, slot: int) -> None:
-        """Bind this session to `slot` of `pool` (empty state)."""
-        self.pool, self.slot = pool, slot
-        self.cache = ModelCache(self.cfg, min(self.max_len, pool.capacity), pool=pool, slot=slot)
-        self.cache.reset()
-        self.scratch = MtpScratch(self.cfg, pool.capacity, pool=pool, slot=slot) if self.k > 0 else None
 
     def step(self, max_rounds: int = 1) -> list[int]:
         """Alone: advance the session; returns the newly emitted token ids (empty only once finished). A hook that
@@ -323,468 +85,26 @@ class SpecSession:
             self.step(max_rounds=64)
         return list(self.emitted)
 
-    def close(self) -> None:
-        """Give the pool slot back (idempotent). The session cannot step afterwards."""
-        if self._closed:
-            return
-        self._closed = True
-        self.finished = True
-        self.finish_reason = self.finish_reason or "abort"
-        if self.pool is not None and self.slot is not None:
-            self.pool.free(self.slot)
-        self._mtp_hidden = None
 
-    def continue_turn(self, prompt_ids: list[int], max_new_tokens: int) -> None:
-        """Multi-turn reuse: `prompt_ids` must start with this session's whole sequence (prompt + emitted);
-        only the new suffix is prefilled. The session then generates up to max_new_tokens more tokens."""
-        if self._closed or not self.started:
-            raise RuntimeError("continue_turn needs a started, open session")
-        if self.constraint is not None:
-            raise ValueError("continue_turn is not supported with a constraint")
-        seq = self.committed + [self.pending]
-        if len(prompt_ids) <= len(seq) or prompt_ids[:len(seq)] != seq:
-            raise ValueError("new prompt does not extend the committed sequence")
-        if len(prompt_ids) + max_new_tokens + self.capmax + 1 > self.cache.max_len:
-            raise ValueError("continued turn does not fit in the session's max_len")
-        suffix = prompt_ids[len(self.committed):]
-        self.prompt_ids = list(prompt_ids)
-        self._pen = PenaltyState(self.prompt_ids, self.cfg.vocab_size, self.device, self.sampling, self.eos)
-        self.emitted, self.logprobs = [], []
-        self.pending = None
-        self.max_new_tokens = max_new_tokens
-        self.finished, self.finish_reason = False, None
-        self.begin_prefill(suffix)
-        while self.prefilling:  # alone: prefill now (the first token of the new turn is emitted)
-            self.prefill_chunk()
+class DraftedSession(SpecSession):
+    """A SpecSession whose drafts a host function chooses: `drafter(pos, j, d)` gets the MTP head's draft d for
+    sequence position pos (draft j of the round) and returns the token to draft instead; a constraint still
+    checks it after. For tests, benchmarks and the research harness that need known drafts (wrong ones to reach
+    every acceptance length, an oracle's); serving never builds one. Drafts never change the output."""
 
-    def resume(self, n: int, pre_last: torch.Tensor) -> None:
-        """Start from a restored prefix (the prefix cache): the state of the first n prompt tokens is already in
-        this session's slot (K/V rows 0..n-1, the GDN state at n in the live window slot, MTP rows 0..n-2), and
-        `pre_last` [H] is position n-1's pre-norm hidden (the carrier of MTP row n-1). Only the rest of the prompt
-        prefills; n < the prompt's length. A session that prefilled nothing itself may resume again, further."""
-        if self.cache.length != self.cached_tokens or self.prefill_tokens or self.started \
-                or not self.cache.length < n < len(self._to_prefill):
-            raise ValueError(f"cannot resume a session at {n} of {len(self._to_prefill)} prompt tokens")
-        self.cache.length = self._prefilled = self.cached_tokens = n
-        self._mtp_tokens, self._mtp_hidden = [], None  # an earlier resume's row n'-1, superseded
-        self.committed = self._to_prefill[:n]
-        self.last_pre = pre_last
-        if self.k > 0:
-            assert self.scratch is not None
-            self.scratch.set_len(n - 1)
-            ctx = FwdCtx.make(self.cfg, self.device, self.dtype, [self.slot], [n - 1], [0], [0], 1, False)
-            carrier = pre_last[None] if self.hidden_mode == "pre" else self.model.model.norm(pre_last[None], ctx)
-            self._queue_mtp_rows([self._to_prefill[n]], carrier)  # row n-1 = (token n, h_{n-1})
-
-    def begin_prefill(self, ids: list[int]) -> None:
-        """Queue `ids` (a prompt, or a later turn's suffix) for prefill."""
-        self._to_prefill, self._prefilled = list(ids), 0
-
-    @torch.inference_mode()
-    def prefill_chunk(self) -> int:
-        """Prefill the next grid block of the queued prompt (`next_chunk`) in one trunk forward; the MTP head takes
-        the block's rows right away, except the prompt's last row, which waits for the first token. The last block
-        also chooses and emits the first token. Returns the number of tokens prefilled."""
-        ids = self.next_chunk()
-        cache = self.cache
-        x = torch.tensor([ids], device=self.device)
-        ctx = FwdCtx.make(self.cfg, self.device, self.dtype, [self.slot], [cache.length], [cache.cur], [cache.cur],
-                          len(ids), False)
-        self.prefilled(ids, self.model.forward_step(x, ctx, self.pool)[0], ctx)  # [t, H]
-        return len(ids)
-
-    def next_chunk(self) -> list[int]:
-        """The next grid block of the queued prompt: its tokens from the cache's length up to the next multiple of
-        PREFILL_GRID (absolute positions) or the prompt's end. Blocks never split elsewhere, whatever the budget,
-        the batch or K, so a prompt's prefill math is the same alone and under load. Raises if they do not fit in
-        the cache."""
-        n = PREFILL_GRID - self.cache.length % PREFILL_GRID
-        ids = self._to_prefill[self._prefilled:self._prefilled + n]
-        self.cache.check_room(len(ids))
-        return ids
+    def __init__(self, *args: Any, drafter: Callable[[int, int, int], int], **kw: Any):
+        self.drafter = drafter
+        super().__init__(*args, **kw)
 
     @property
-    def next_chunk_len(self) -> int:
-        """Tokens `next_chunk` would take (0 when nothing is queued)."""
-        return min(self.prefill_left, PREFILL_GRID - self.cache.length % PREFILL_GRID)
+    def drafts_on_host(self) -> bool:
+        """Always: every draft goes through `drafter`."""
+        return True
 
-    def prefilled(self, ids: list[int], pre: torch.Tensor, ctx: FwdCtx, flush_mtp: bool = True) -> None:
-        """Host side of a prefill block: `ids` (from `next_chunk`) went through the trunk at cache.length.. in the
-        forward `ctx`, `pre` [t, H] their pre-norm hiddens. Advances the cache, feeds the MTP head, and after the
-        prompt's last block chooses and emits the first token. flush_mtp=False (a batched prefill): the block's MTP
-        rows stay queued and the first token waits; the caller writes every row's queue in one head forward
-        (`engine.prefill.flush_mtp_rows`), then calls `choose_first`."""
-        model, cache = self.model, self.cache
-        cache.length += len(ids)
-        self._prefilled += len(ids)
-        self.prefill_tokens += len(ids)
-        self.committed += ids
-        post = model.model.norm(pre, ctx)  # row by row on the CPU kernels, as a step forward's final norm
-        self.last_pre = pre[-1].clone()
-        done = not self.prefilling
-        if self.want_prompt_logprobs is not None:
-            self._prompt_logprobs(post, self._prefilled - len(ids), ctx)
-        if self.k > 0:
-            nxt = self._to_prefill[self._prefilled - len(ids) + 1:self._prefilled + 1]  # token i+1 of each row
-            carrier = post if self.hidden_mode == "post" else pre
-            self._queue_mtp_rows(nxt, carrier[:len(nxt)])
-            if flush_mtp:
-                self._flush_mtp()
-        if done:
-            self._last_row = (pre[-1:], post[-1:], ctx)  # [1, H] each: the prompt's last row
-            if flush_mtp:
-                self.choose_first()
-
-    def choose_first(self) -> None:
-        """After the prompt's last chunk and its MTP rows: choose, emit and queue the first token (else a no-op)."""
-        if self._last_row is None:
-            return
-        pre, post, ctx = self._last_row
-        self._last_row = None
-        logits = self.model.logits(post[0], ctx=ctx)  # only the row that is used
-        first = self._choose(logits)
-        if self.k > 0:
-            self._queue_mtp_rows([first], post if self.hidden_mode == "post" else pre)
-        self._emit([first], logits[None])
-
-    def _prompt_logprobs(self, post: torch.Tensor, start: int, ctx: FwdCtx) -> None:
-        """Logprobs of the prompt tokens that the chunk's rows `post` [t, H] (prompt positions start..) predict,
-        PROMPT_LOGPROB_ROWS rows at a time (only when asked: the default prefill computes one row's logits)."""
-        ids, n_top = self._to_prefill, self.want_prompt_logprobs or 0
-        if start == 0:
-            self.prompt_logprobs.append(None)  # nothing predicts the first prompt token
-        rows = min(post.shape[0], len(ids) - 1 - start)  # the prompt's last row predicts the first output token
-        for a in range(0, rows, PROMPT_LOGPROB_ROWS):
-            b = min(rows, a + PROMPT_LOGPROB_ROWS)
-            lp = torch.log_softmax(self.model.logits(post[a:b], ctx=ctx).float(), dim=-1)  # [n, V]
-            nxt = torch.tensor(ids[start + a + 1:start + b + 1], device=lp.device)
-            chosen = lp.gather(-1, nxt[:, None])  # [n, 1]
-            rank = (lp > chosen).sum(-1) + 1  # [n]
-            top_v, top_i = torch.topk(lp, min(n_top, lp.shape[-1]), dim=-1)  # [n, n_top]
-            for t, c, r, iv, vv in zip(nxt.tolist(), chosen[:, 0].tolist(), rank.tolist(), top_i.tolist(),
-                                       top_v.tolist()):
-                self.prompt_logprobs.append(TokenLogprob(t, c, list(zip(iv, vv)), r))
-
-    def k_round(self) -> int:
-        """Draft tokens this session wants in the next round (0 = a plain step): k, fewer near max_new_tokens."""
-        return max(0, min(self.k, self.max_new_tokens - len(self.emitted) - 1))
-
-    def commit_round(self, drafted: int, n_acc: int, toks: list[int], logits: torch.Tensor,
-                     carrier: torch.Tensor, pre: torch.Tensor | None = None) -> None:
-        """Host side of one round for this row: `toks` = accepted drafts + the bonus (n_acc + 1 tokens) as decided
-        on the device, `logits` [T, V] its verify logits, `carrier` [T, H] the hiddens the MTP head pairs with,
-        `pre` [T, H] the pre-norm hiddens (kept as `round_pre` until the next round: the prefix cache's carrier of a
-        grid boundary the commit crosses). Applies the constraint's truncation rule and EOS, commits, rolls back
-        (O(1)), emits."""
-        self.round_pre = pre
-        drafts, bonus = toks[:n_acc], toks[n_acc]
-        if self.constraint is not None and drafted == 0:  # a plain step: the masked choice, as plain decode does
-            bonus = self._choose(logits[0])
-        elif self.constraint is not None:
-            n_acc, bonus = self._apply_constraint(logits, drafts, n_acc, bonus)
-        out = drafts[:n_acc] + [bonus]
-        eos_at = next((i for i, t in enumerate(out) if t in self.eos), None)
-        if eos_at is not None and eos_at < n_acc:  # EOS among accepted drafts: nothing after it is emitted
-            n_acc = eos_at + 1
-            out = drafts[:n_acc]
-        n = self.cache.length
-        # keep [last] + out[:-1]; the GDN state after the last kept token sits in window slot len(out) - 1
-        self.cache.keep(n + len(out), len(out) - 1)
-        self.committed += [self.pending] + out[:-1]
-        if self.k > 0:
-            self._queue_mtp_rows(out, carrier[: len(out)])  # rows n.. = (out[j], h_{n+j})
-        if drafted > 0:
-            self.telem.record_round(drafted, n_acc)
-            self.len_hist[drafted] += 1
-            self.acc_hist[n_acc] += 1
-            self.full_accept += int(n_acc == drafted)
-        self._emit(out, logits[: len(out)])
-
-    def fail(self, err: BaseException) -> None:
-        """Mark the session failed (its request gets an error); the scheduler then frees its slot."""
-        self.error = err
-        self.finished = True
-        self.finish_reason = "error"
-
-    def stats_text(self) -> str:
-        """The `[spec-stats]` line: rounds, full accepts, draft-length histogram, per-slot rates, total."""
-        t = self.telem
-        n = max((j + 1 for j, c in enumerate(t.pos_drafted) if c), default=0)
-        slots = " ".join(f"{a}/{d}={a / d:.3f}" for a, d in zip(t.pos_accepted[:n], t.pos_drafted[:n]) if d)
-        return (f"[spec-stats] rounds={t.rounds} full_accept={self.full_accept} len_hist={self.len_hist[:self.k + 1]} "
-                f"per_slot=[{slots}] total={t.accepted}/{t.drafted}={t.acceptance_rate:.3f} "
-                f"tok_per_round={t.tokens_per_round:.3f}")
-
-    # ------------------------------------------------------------------ internals
-    def _choose(self, logits: torch.Tensor) -> int:
-        """Plain-decode choice for one fp32 logit row (penalties, constraint mask, greedy or sampled)."""
-        row = self._pen.apply(logits, self.sampling, n_out=len(self.emitted))
-        if self.constraint is not None:
-            row = self.constraint.mask_logits(row)
-        if self.sampling.greedy:
-            return int(torch.argmax(row).item())
-        return int(sample(probs_from_logits(row, self.sampling), self._gen).item())
-
-    def _queue_mtp_rows(self, tokens: list[int], hidden: torch.Tensor) -> None:
-        self._mtp_tokens = self._mtp_tokens + tokens
-        self._mtp_hidden = hidden if self._mtp_hidden is None else torch.cat([self._mtp_hidden, hidden])
-
-    def _flush_mtp(self) -> None:
-        """Write every queued MTP row into the scratch (prefill: their next tokens are prompt tokens, so final)."""
-        n = len(self._mtp_tokens)
-        if n == 0:
-            return
-        sc = self.scratch
-        assert sc is not None and self._mtp_hidden is not None
-        mtp_head_forward(self.model, self._mtp_tokens[:n], self._mtp_hidden[:n], sc.length, sc)
-        sc.set_len(sc.length + n)
-        self._mtp_tokens, self._mtp_hidden = self._mtp_tokens[n:], self._mtp_hidden[n:]
-
-    def _apply_constraint(self, logits: torch.Tensor, drafts: list[int], n_acc: int, bonus: int) -> tuple[int, int]:
-        """Verify-side truncation rule; consumes the accepted drafts (the bonus is consumed in `_emit`)."""
-        cons = self.constraint
-        assert cons is not None
-        cut = False
-        for j in range(n_acc):
-            if not cons.is_allowed(drafts[j]):
-                n_acc, cut = j, True
-                self.constraint_cuts += 1
-                break
-            cons.consume(drafts[j])
-        if cut or not cons.is_allowed(bonus):
-            extra = torch.tensor(drafts[:n_acc] or [-1], device=self.device)
-            masked = cons.mask_logits(self._pen.apply(logits[n_acc], self.sampling, extra,
-                                                      n_out=len(self.emitted) + n_acc))
-            if self.sampling.greedy:
-                bonus = int(torch.argmax(masked).item())
-            else:
-                bonus = int(sample(probs_from_logits(masked, self.sampling), self._gen).item())
-        self._constraint_consumed = n_acc
-        return n_acc, bonus
-
-    def _emit(self, toks: list[int], rows: torch.Tensor) -> None:
-        """Append emitted tokens (the last one becomes pending), feed penalties/constraint, check stops.
-        `rows` [len(toks), V]: the raw target logits each token was chosen from (for logprobs)."""
-        cons = self.constraint
-        pre_consumed, self._constraint_consumed = self._constraint_consumed, 0
-        n = len(toks)
-        for i, t in enumerate(toks):
-            if cons is not None and i >= pre_consumed:
-                cons.consume(t)
-            if t in self.eos:
-                n = i + 1
-                break
-        toks = toks[:n]
-        self.emitted += toks
-        if self.sampling.has_penalties:
-            self._pen.push(toks)
-        if self.want_logprobs is not None:
-            lp = torch.log_softmax(rows[:n].float(), dim=-1)  # [n, V]
-            chosen = lp.gather(-1, torch.tensor(toks, device=lp.device)[:, None])[:, 0].tolist()
-            if isinstance(self.want_logprobs, tuple):  # the listed ids
-                top_i = torch.tensor(self.want_logprobs, device=lp.device).expand(n, -1)  # [n, m]
-                top_v = lp.gather(-1, top_i)  # [n, m]
-            else:
-                top_v, top_i = (torch.topk(lp, min(self.want_logprobs, lp.shape[-1]), dim=-1)
-                                if self.want_logprobs > 0 else (lp[:, :0], lp[:, :0].long()))
-            for t, c, iv, vv in zip(toks, chosen, top_i.tolist(), top_v.tolist()):
-                self.logprobs.append(TokenLogprob(t, c, list(zip(iv, vv))))
-        self.pending = self.emitted[-1]
-        if toks[-1] in self.eos:
-            self._finish("stop")
-        elif len(self.emitted) >= self.max_new_tokens:
-            self._finish("length")
-
-    def _finish(self, reason: str) -> None:
-        self.finished = True
-        self.finish_reason = reason
-        if self.stats_line and self.k > 0:
-            print(self.stats_text(), file=sys.stderr)
-
-
-# ------------------------------------------------------------------------------------------ the batched round
-def _queued_mtp_rows(rows: list[SpecSession]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """Every row's queued MTP rows, right-padded to the longest queue: tokens [A, Tm] long (padding 0), carrier
-    hiddens [A, Tm, H] (padding zeros), and each row's queue length."""
-    n = [len(r._mtp_tokens) for r in rows]
-    Tm, r0 = max(n), rows[0]
-    toks = torch.tensor([r._mtp_tokens + [0] * (Tm - k) for r, k in zip(rows, n)], device=r0.device)  # [A, Tm]
-    if min(n) == Tm:
-        return toks, torch.stack([r._mtp_hidden for r in rows]), n
-    hid = torch.zeros(len(rows), Tm, r0._mtp_hidden.shape[-1], dtype=r0.dtype, device=r0.device)
-    for a, r in enumerate(rows):
-        hid[a, :n[a]] = r._mtp_hidden
-    return toks, hid, n
-
-
-def _hook(r: SpecSession, fallback: Any, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
-    """`fn(*args, **kw)`: one of row r's own hooks (grammar, penalties) inside the batched round. If it raises, r
-    fails (its request gets the error) and `fallback` stands in, so the batch's tensors keep their shape and no
-    other row sees a difference; a failed row's hooks are not called again."""
-    if r.error is not None:
-        return fallback
-    try:
-        return fn(*args, **kw)
-    except Exception as e:  # noqa: BLE001 - one row's hook fails that row only
-        r.fail(e)
-        return fallback
-
-
-def _pick(rows: list[SpecSession], logits: torch.Tensor, extra: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                        list[torch.Tensor | None]]:
-    """Each row's draft from its MTP logits [A, V] (fp32): argmax for greedy rows, a draw from q for sampled ones.
-    `extra` [A, j] = the drafts so far (penalties; draft j is output token len(emitted) + j, for min_tokens).
-    Returns (tokens [A] long, top probability [A] (None at depth 0, where the p-min cut does not apply, and when no
-    row has p_min > 0: a probability is never below 0), q rows)."""
-    j = extra.shape[1]
-    proc = torch.stack([_hook(r, logits[i], r._pen.apply, logits[i], r.sampling, extra[i], n_out=len(r.emitted) + j)
-                        for i, r in enumerate(rows)]) if any(r.sampling.processes for r in rows) else logits
-    top = torch.softmax(proc, dim=-1).amax(dim=-1) if j and any(r.p_min > 0 for r in rows) else None  # [A]
-    tok = ops.argmax(proc)  # [A]
-    qs: list[torch.Tensor | None] = [None] * len(rows)
-    for i, r in enumerate(rows):
-        if not r.sampling.greedy and r.error is None:
-            try:
-                qs[i] = probs_from_logits(proc[i], r.sampling)  # [V]
-                tok[i] = sample(qs[i], r._gen)
-            except Exception as e:  # noqa: BLE001 - one row's sampler fails that row only
-                r.fail(e)
-                continue
-            if top is not None:
-                top[i] = qs[i].amax()
-    return tok, top, qs
-
-
-def _draft(model: Qwen35ForCausalLM, rows: list[SpecSession], ks: list[int],
-           runner: StepRunner = EAGER) -> tuple[torch.Tensor, list[list]]:
-    """Draft up to ks[i] tokens per row, one MTP head forward per depth over every row still drafting.
-    Returns drafts [N, max ks] (long, -1 where a row drafts nothing: fewer wanted, p-min cut, constraint) and the
-    q rows of sampled rows (qs[i][j]). A row whose hook raises is failed and leaves the chained forwards; its drafts
-    row is meaningless (`spec_round` drops it)."""
-    N, K = len(rows), max(ks)
-    dev = rows[0].device
-    drafts = torch.full((N, K), -1, dtype=torch.long, device=dev)
-    qs: list[list] = [[None] * K for _ in rows]
-    act = [i for i in range(N) if ks[i] > 0]
-    if not act:
-        return drafts, qs
-    pool = rows[0].pool
-    # depth 0: each row writes its queued committed rows (1..k+1 of them, padded) and drafts from the last one
-    toks, hid, qlen = _queued_mtp_rows([rows[i] for i in act])  # [A, Tq], [A, Tq, H]
-    sc_pos = [rows[i].scratch.length for i in act]
-    h, lg = runner.draft(model, pool, toks, hid, [rows[i].slot for i in act], sc_pos,
-                         [q - 1 for q in qlen])  # [A, 1, H], [A, V]
-    for i in act:
-        r = rows[i]
-        r.scratch.set_len(len(r.committed))
-        r._mtp_tokens, r._mtp_hidden = [], None
-        r._window = 0  # drafts the constraint consumed this round
-        if r.constraint is not None and hasattr(r.constraint, "draft_begin"):
-            _hook(r, None, r.constraint.draft_begin)
-    alive = torch.ones(len(act), dtype=torch.bool, device=dev)
-    for j in range(K):
-        live = [a for a, i in enumerate(act) if ks[i] > j and rows[i].error is None]
-        if j > 0 and len(live) < len(act):  # rows done drafting or failed leave the chained forwards
-            if not live:
-                break
-            act, h, alive = [act[a] for a in live], h[live], alive[live]
-        ix = act if len(act) < N else slice(None)  # drafts' rows of `act` (all rows: views, not gathers)
-        if j > 0:  # chained depth: the previous draft and the head's own hidden, one row each
-            prev = drafts[ix, j - 1].clamp_min(0)[:, None]  # [A, 1]
-            h, lg = runner.draft(model, pool, prev, h, [rows[i].slot for i in act],
-                                 [len(rows[i].committed) - 1 + j for i in act], None)  # [A, 1, H], [A, V]
-        arows = [rows[i] for i in act]
-        for a, r in enumerate(arows):  # grammars propose legal drafts only (drafts never affect exactness)
-            if r.constraint is not None and hasattr(r.constraint, "draft_mask_logits") and r.error is None \
-                    and bool(alive[a]):
-                lg[a] = _hook(r, lg[a], r.constraint.draft_mask_logits, lg[a])
-        tok, top, q = _pick(arows, lg, drafts[ix, :j])
-        if top is not None:  # j > 0 and some row has p_min > 0
-            # p-min tests the drafter's TOP probability before a token is chosen: whether position j is drafted
-            # never depends on which token is drawn, so rejection sampling against q stays exact
-            alive &= top >= torch.tensor([rows[i].p_min for i in act], device=dev, dtype=top.dtype)
-        for a, i in enumerate(act):
-            r = rows[i]
-            qs[i][j] = q[a]
-            if r.draft_override is not None or (r.constraint is not None and hasattr(r.constraint, "draft_allowed")):
-                if r.error is not None or not bool(alive[a]):  # a host decision per draft: test hooks, grammars
-                    continue
-                try:
-                    d = int(tok[a])
-                    if r.draft_override is not None:
-                        d = r.draft_override(len(r.committed) + 1 + j, j, d)
-                        tok[a] = d
-                    if r.constraint is not None and hasattr(r.constraint, "draft_allowed"):
-                        if r.constraint.draft_allowed(d):
-                            r._window += 1
-                        else:
-                            alive[a] = False
-                except Exception as e:  # noqa: BLE001 - one row's hook fails that row only
-                    r.fail(e)
-        drafts[ix, j] = torch.where(alive, tok, -1)
-    # a cut is final: nothing after the first -1 counts
-    drafts = torch.where(torch.cumprod((drafts >= 0).long(), dim=1).bool(), drafts, -1)
-    return drafts, qs
-
-
-def _accept(rows: list[SpecSession], logits: torch.Tensor, drafts: torch.Tensor, qs: list[list],
-            ks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Acceptance for every row on the device. logits [N, T, V] (fp32), drafts [N, T-1] (-1 = none), ks the drafts
-    each row asked for.
-    Returns (n_acc [N], out [N, T]) with out[i, :n_acc] = the accepted drafts and out[i, n_acc] = the bonus (a row
-    whose hook raised is failed; its entries are meaningless)."""
-    N, T, _ = logits.shape
-    K = T - 1
-    dev = logits.device
-    cols = torch.arange(T, device=dev)
-    valid = drafts >= 0  # [N, K]
-    proc = logits
-    if any(r.sampling.processes for r in rows):
-        # column t of row i chooses output token len(emitted) + t (min_tokens); host ints, no sync
-        later = torch.arange(K, device=dev) >= cols[:, None]  # [T, K]: draft j comes after column t
-        ex = drafts[:, None, :].expand(N, T, K).masked_fill(later, -1)  # [N, T, K]
-        proc = torch.stack([_hook(r, logits[i], r._pen.apply, logits[i], r.sampling, ex[i], n_out=len(r.emitted))
-                            for i, r in enumerate(rows)])
-    # greedy rows under a grammar accept by the MASKED argmax of each column (what constrained plain greedy picks
-    # after the same drafts): the masks of the states the drafts reached, kept while drafting
-    masks = [(i, _hook(r, None, r.constraint.window_mask, r._window + 1, dev)) for i, r in enumerate(rows)
-             if ks[i] > 0 and r.sampling.greedy and r.constraint is not None and hasattr(r.constraint, "window_mask")]
-    if masks:
-        proc = proc.clone()
-        for i, m in masks:
-            if m is not None:  # None: the row failed
-                proc[i, :m.shape[0]] = proc[i, :m.shape[0]].masked_fill(~m, float("-inf"))
-    am = ops.argmax(proc.flatten(0, 1)).view(N, T)  # [N, T]
-    if K == 0:  # plain steps only: nothing to accept, each bonus is its row's column-0 choice
-        n_acc, bonus = torch.zeros(N, dtype=torch.long, device=dev), am[:, 0]
-    else:
-        match = (am[:, :K] == drafts) & valid
-        n_acc = torch.cumprod(match.long(), dim=1).sum(dim=1)  # [N]
-        bonus = am.gather(1, n_acc[:, None])[:, 0]  # [N]
-    for i, r in enumerate(rows):
-        if r.sampling.greedy or r.constraint is not None or r.error is not None:  # constrained: in commit_round
-            continue
-        try:  # Leviathan/Chen: accept d_j w.p. min(1, p/q); on the first reject draw from norm(max(0, p - q));
-            # when all are accepted the bonus comes from p of the next column
-            p = probs_from_logits(proc[i], r.sampling)  # [T, V]
-            q = torch.stack([qj if qj is not None else torch.zeros_like(p[0]) for qj in qs[i][:K]]
-                            + [torch.zeros_like(p[0])])
-            kw = ks[i]  # the draws a row makes depend on the row alone, never on the batch
-            u = torch.rand(kw, generator=r._gen, dtype=torch.float64, device=dev)
-            d = drafts[i, :kw].clamp_min(0)
-            ok = (u * q[cols[:kw], d] < p[cols[:kw], d]) & valid[i, :kw]
-            na = torch.cumprod(ok.long(), dim=0).sum()
-            kd = valid[i].sum()
-            resid = torch.clamp(p[na] - q[na], min=0.0)
-            use_resid = (na < kd) & (resid.sum() > 0)
-            dist = torch.where(use_resid, resid / resid.sum().clamp_min(1e-300), p[na])
-            n_acc[i], bonus[i] = na, sample(dist, r._gen)
-        except Exception as e:  # noqa: BLE001 - one row's sampler fails that row only
-            r.fail(e)
-    if K == 0:
-        return n_acc, bonus[:, None]
-    out = torch.where(cols < n_acc[:, None], torch.cat([drafts, bonus[:, None]], 1), bonus[:, None])  # [N, T]
-    return n_acc, out
+    def host_draft(self, pos: int, j: int, d: int) -> int | None:
+        """`drafter`'s token, then the constraint's decision on it (if the constraint checks drafts)."""
+        d = self.drafter(pos, j, d)
+        return super().host_draft(pos, j, d) if super().drafts_on_host else d
 
 
 @torch.inference_mode()
@@ -796,7 +116,8 @@ def spec_round(model: Qwen35ForCausalLM, rows: list[SpecSession], runner: StepRu
     the verify; in acceptance or commit, its result is dropped. Every op is row-wise, so the other rows' tokens and
     logits are bit for bit those of a round without it. A batched forward that fails raises: every row is in doubt."""
     ks = [r.k_round() for r in rows]
-    fork = optipipe_round(rows, ks)  # OPTIPIPE research door (engine/optipipe.py): None unless armed
+    hook = ROUND_HOOK  # the research door: None unless armed
+    fork = hook(rows, ks) if hook is not None else None
     drafts, qs = _draft(model, rows, ks, runner)  # [N, K]
     if any(r.error is not None for r in rows):  # rows a hook failed while drafting leave before the verify
         keep = [i for i, r in enumerate(rows) if r.error is None]
@@ -817,7 +138,7 @@ def spec_round(model: Qwen35ForCausalLM, rows: list[SpecSession], runner: StepRu
             r.commit_round(kd, na, toks[:na + 1], logits[i], (post if r.hidden_mode == "post" else pre)[i], pre[i])
         except Exception as e:  # noqa: BLE001 - one row's failure (e.g. its grammar) fails that row only
             r.fail(e)
-    if fork is not None:  # OPTIPIPE: shadow check and resolution; never changes a token or the committed state
+    if fork is not None:  # research: shadow check and resolution; never changes a token or the committed state
         fork.resolve(model, drafts, host)
 
 

@@ -24,17 +24,16 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import llguidance
 from llguidance import LLMatcher, LLTokenizer
 
+from .compiled import CompiledGrammar
+from .constraint import GuidanceConstraint
 from .errors import GrammarError
 from .tools import (JSON_OPTIONS, TOOL_CALL_END, TOOL_CALL_START, find_tool, parse_tools, tool_calls_lark,
                     tool_value_problem, user_problem)
-
-if TYPE_CHECKING:
-    from .constraint import GuidanceConstraint
 
 log = logging.getLogger("nextn.grammar")
 
@@ -269,16 +268,6 @@ class GuidanceTokenizer:
         return cls.from_json(tok.to_json_str(), n_vocab=n_vocab, eos_ids=tok.eos_token_ids)
 
 
-@dataclass(frozen=True, eq=False)
-class CompiledGrammar:
-    """A compiled grammar for one tokenizer; immutable and shared. Make constraints from it."""
-
-    source: GrammarSource
-    tokenizer: GuidanceTokenizer
-    matcher: LLMatcher  # pristine: never advanced; constraints deep_copy() it
-    compile_s: float
-
-
 @dataclass(frozen=True)
 class CompileResult:
     """What `GrammarCompiler.compile` returns: the grammar, the seconds this call spent compiling (0.0 on a
@@ -380,6 +369,4 @@ class GrammarCompiler:
 
     def constraint(self, grammar: CompiledGrammar, *, reasoning: bool = False) -> GuidanceConstraint:
         """A fresh per-request constraint (see GuidanceConstraint)."""
-        from .constraint import GuidanceConstraint
-
         return GuidanceConstraint(grammar, reasoning=reasoning)

@@ -1,7 +1,7 @@
 """`GuidanceConstraint`: the engine's SpecConstraint over one llguidance matcher, exact under speculation.
 
-Engine contract (engine/spec.py): every emitted token is `consume`d in order; plain steps choose from
-`mask_logits(row)`; a verify round first drafts (`draft_begin`, then `draft_allowed(d)` per draft, False
+Engine contract (`SpecConstraint`, engine/session.py): every emitted token is `consume`d in order; plain steps
+choose from `mask_logits(row)`; a verify round first drafts (`draft_begin`, then `draft_allowed(d)` per draft, False
 stops the chain), then walks the accepted drafts with `is_allowed`/`consume` from the committed state and
 masks the bonus column when it is illegal.
 
@@ -24,7 +24,7 @@ are allowed (the template's `</think>\\n\\n`), then the grammar. EOS is allowed 
 accepts; once the grammar is complete (no continuation) only EOS is allowed, so the choice ends "stop".
 After EOS only EOS stays allowed (harmless under ignore_eos).
 
-Engine hooks (engine/spec.py calls both inside the batched round when the constraint has them):
+Engine hooks (engine/draft.py calls both inside the batched round when the constraint has them):
 - verify-mask: `window_mask(n, device)` masks the verify columns (K+1 bitmasks, as vLLM does), so greedy
   acceptance follows each column's masked argmax, which is what constrained plain greedy picks after the same
   prefix (penalties leave -inf entries at -inf); `_apply_constraint` then never cuts. It reuses the masks
@@ -39,7 +39,7 @@ import llguidance.numpy as llg_np
 import numpy as np
 import torch
 
-from .compile import CompiledGrammar
+from .compiled import CompiledGrammar
 
 SEPARATOR_MAX = 2  # newline-only tokens allowed between </think> and the grammar's first token
 

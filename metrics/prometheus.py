@@ -97,7 +97,7 @@ schema. This mode is knowingly NOT promtool-clean: ``promtool check metrics`` fa
 name ("metric names should not contain ':'"); the default mode passes it.
 
 OPTIPIPE research door (only when ``nextn serve --research-opti-controller-q Q`` armed it; absent, no such
-series exist): one counter per ``engine.optipipe.OptiForkGateStats`` field, ``nextn_optipipe_<field>_total``
+series exist): one counter per ``research.optipipe.OptiForkGateStats`` field, ``nextn_optipipe_<field>_total``
 (``attempts``, ``hits``, ``misses``, ``abort_drains``, ``refusals``, ``gate_checks``, ``gate_admits``,
 ``gate_rejects``, ``reconciles``, ``wasted_draft_tokens``, ``shadow_draft_tokens``, ``breaker_trips``), read
 from the engine's process-wide stats at scrape time; not aliased under ``vllm:``. Hit rate of admitted

@@ -1,4 +1,4 @@
-"""The `nextn` console script: `nextn serve [MODEL_DIR]` plus the engine's subcommands.
+"""The `nextn` console script: `nextn serve [MODEL_DIR]` plus the engine's and the research subcommands.
 
 `serve` merges its settings (config.settings: CLI > NEXTN_* env > TOML > defaults), loads the model
 with a progress bar, starts the device worker and runs uvicorn. A bad setting or an unloadable model
@@ -74,14 +74,16 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The `nextn` argument parser: `serve` and the engine's subcommands (each sets `func`)."""
+    """The `nextn` argument parser: `serve`, the engine's and the research subcommands (each sets `func`)."""
     from engine import commands
+    from research import commands as research_commands
 
     parser = _Parser(prog="nextn", description="nextn: OpenAI-compatible Qwen3.5 server with exact MTP "
                                                "speculative decoding")
     subparsers = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_serve(subparsers)
     commands.register(subparsers)
+    research_commands.register(subparsers)
     return parser
 
 
@@ -229,7 +231,7 @@ def arm_research_door(q: float | None, k: int) -> Callable[[], Any] | None:
     `optipipe` block; without one (the default) do nothing at all and return None."""
     if q is None:
         return None
-    from engine.optipipe import optipipe_gate_stats, set_optipipe_controller_threshold
+    from research.optipipe import optipipe_gate_stats, set_optipipe_controller_threshold
 
     set_optipipe_controller_threshold(q)
     log.warning("research door armed: OPTIPIPE opti controller q=%g (diagnostic only, measured NO-GO)%s", q,

@@ -29,35 +29,18 @@ from grammar.parsers import THINK_END
 from metrics.prometheus import ServingMetrics
 from server import protocol as p
 from server.admission import Admission
+from server.errors import APIError
 from server.structured import (ChatOutput, OutputDelta, StructuredOutputs, grammar_error, opens_reasoning,
                                tool_tags_are_special)
 from server.worker import Job, JobEvent, QueueFull, Unavailable, Worker
 
 log = logging.getLogger("nextn.serving")
 
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                408: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
-                500: "server_error", 503: "service_unavailable"}
 #: Seconds a client is told to wait after a 429.
 RETRY_AFTER_S = 1
 #: Unknown field names named in the one log line per request (the rest are counted), and characters per name.
 MAX_LOGGED_FIELDS = 16
 MAX_LOGGED_FIELD_CHARS = 64
-
-
-class APIError(Exception):
-    """An error the client sees as an OpenAI error body with HTTP `status`."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.headers = headers or {}
-
-    def body(self) -> p.ErrorResponse:
-        fallback = "invalid_request_error" if self.status < 500 else "server_error"
-        return p.ErrorResponse(error=p.ErrorInfo(message=self.message, type=_ERROR_TYPES.get(self.status, fallback),
-                                                 param=self.param, code=self.code))
 
 
 def sse(payload: p.BaseModel | str) -> str:

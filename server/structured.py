@@ -25,14 +25,13 @@ from grammar import (CompiledGrammar, GrammarCompiler, GrammarError, GrammarSour
                      prompt_opens_reasoning)
 from grammar.parsers import THINK_END, THINK_START
 from grammar.tools import TOOL_CALL_END, TOOL_CALL_START
+from server.errors import APIError
 
 log = logging.getLogger("nextn.structured")
 
 
-def grammar_error(e: GrammarError) -> Any:
-    """The 400 a GrammarError becomes (imported lazily: serving imports this module)."""
-    from server.serving import APIError
-
+def grammar_error(e: GrammarError) -> APIError:
+    """The 400 a GrammarError becomes."""
     return APIError(400, e.message, param=e.param, code="invalid_grammar")
 
 
@@ -73,8 +72,6 @@ class StructuredOutputs:
         try:
             return await asyncio.wrap_future(self._compiler)
         except Exception as e:  # noqa: BLE001
-            from server.serving import APIError
-
             raise APIError(400, f"structured outputs are not available for this model: {e}",
                            code="grammar_unavailable") from None
 

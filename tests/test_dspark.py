@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.dspark import extract_corpus, read_hidden_bf16, sample_anchors, sparse_softmax_topk, validate_corpus
+from research.dspark import extract_corpus, read_hidden_bf16, sample_anchors, sparse_softmax_topk, validate_corpus
 from engine.loader import load_model
 from tests.tiny import make_checkpoint
 

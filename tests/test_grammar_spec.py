@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine.loader import load_model
-from engine.spec import SpecSession
+from engine.spec import DraftedSession, SpecSession
 from engine.tokenizer import Tokenizer
 from grammar.compile import GrammarCompiler, GuidanceTokenizer, source_from_request
 from grammar.constraint import GuidanceConstraint
@@ -72,7 +72,7 @@ class SpyConstraint(GuidanceConstraint):
 
 
 def noisy_drafter(ref: list[int], plen: int, V: int, seed: int, wrong: float = 0.25):
-    """Draft override: the reference token, except at hashed positions a random (often illegal) one."""
+    """A `DraftedSession` drafter: the reference token, except at hashed positions a random (often illegal) one."""
     def override(pos, j, d):
         i = pos - plen
         if i >= len(ref):
@@ -94,7 +94,9 @@ def check_exact(model, compiler, src, prompt, eos, n_new, *, reasoning=False, fo
         drafter = noisy_drafter(ref, len(prompt), V, k)
         for override in [None] + ([drafter] if forced else []):
             spy = SpyConstraint(grammar, reasoning=reasoning)
-            s = SpecSession(model, prompt, n_new, k=k, capmax=8, constraint=spy, eos_ids=eos, draft_override=override)
+            kw = dict(k=k, capmax=8, constraint=spy, eos_ids=eos)
+            s = (SpecSession(model, prompt, n_new, **kw) if override is None
+                 else DraftedSession(model, prompt, n_new, drafter=override, **kw))
             assert s.run() == ref, (src.kind, k, override is not None)
             assert s.constraint_cuts == 0  # every verified draft had passed the grammar
             runs.append((k, override is not None, s, spy))

@@ -26,7 +26,7 @@ from engine.model.config import Qwen35Config
 from engine.model.ops import dispatch as ops
 from engine.model.qwen35 import FwdCtx, Qwen35ForCausalLM, rope_table
 from engine.scheduler import Scheduler
-from engine.spec import SpecSession
+from engine.spec import DraftedSession, SpecSession
 from tests.ops_util import needs_triton
 from tests.test_spec import forced_drafter
 from tests.tiny import hf_config, random_model
@@ -192,8 +192,9 @@ def test_greedy_spec_equals_plain_through_kernels_and_graph_runner(dtype):
     def run(k, refs=None):
         sched = Scheduler(m, max_num_seqs=4, max_model_len=40, k=k, max_num_batched_tokens=64, step_graphs=True)
         assert isinstance(sched.runner, GraphRunner) and sched.buckets == [1, 2, 4] and sched.pool.slots == 5
-        ss = [SpecSession(m, p, n_new, k=k, pool=sched.pool,
-                          draft_override=None if refs is None else forced_drafter(refs[i], len(p), V, k, 0.35))
+        ss = [SpecSession(m, p, n_new, k=k, pool=sched.pool) if refs is None
+              else DraftedSession(m, p, n_new, k=k, pool=sched.pool,
+                                  drafter=forced_drafter(refs[i], len(p), V, k, 0.35))
               for i, p in enumerate(prompts)]
         for s in ss:
             sched.add(s)

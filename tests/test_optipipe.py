@@ -1,4 +1,4 @@
-"""OPTIPIPE research door (engine/optipipe.py): inert by default, the forced harness's invariants, the controller
+"""OPTIPIPE research door (research/optipipe.py): inert by default, the forced harness's invariants, the controller
 never changes a token, refusals, and the server door -- armed only at process start, never by a request."""
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ import httpx
 import pytest
 import torch
 
-import engine.optipipe as op
+import research.optipipe as op
 import engine.spec as spec
 from config.settings import REPO_ROOT
 from engine.loader import load_model
-from engine.optipipe import (
+from research.optipipe import (
     OptiForkGateMode,
     OptiForkGateStats,
     gate_invariants,
@@ -82,13 +82,18 @@ def _prompts(V: int) -> list[list[int]]:
 
 def test_api_validation_and_mode_mapping():
     assert optipipe_gate_mode() == (OptiForkGateMode.DISABLED, 0.0)
+    assert spec.ROUND_HOOK is None  # disarmed: the round's one door is closed
     for bad in (math.nan, math.inf, -0.1, 1.5, -math.inf):
         with pytest.raises(ValueError, match="finite number in"):
             set_optipipe_controller_threshold(bad)
         assert optipipe_gate_mode()[0] is OptiForkGateMode.DISABLED  # a refused q arms nothing
+        assert spec.ROUND_HOOK is None
     for q in (0.0, 0.7, 1.0):
         set_optipipe_controller_threshold(q)
         assert optipipe_gate_mode() == (OptiForkGateMode.CONTROLLER, q)
+        assert spec.ROUND_HOOK is op.optipipe_round
+    set_optipipe_gate_mode(OptiForkGateMode.DISABLED)
+    assert spec.ROUND_HOOK is None
     parse = OptiForkGateMode.parse
     assert [parse(n) for n in ("off", "hit", "ring", "stream", "miss", "alternate", "abort", "controller")] == [
         OptiForkGateMode.DISABLED, *[OptiForkGateMode.HIT] * 3, OptiForkGateMode.MISS, OptiForkGateMode.ALTERNATE,
@@ -228,10 +233,11 @@ def test_disabled_path_does_no_extra_work(dense, monkeypatch):
 
     monkeypatch.setattr(dense, "mtp_forward", count("mtp", real_mtp))
     monkeypatch.setattr(dense, "forward_step", count("trunk", real_fwd))
+    assert spec.ROUND_HOOK is None  # off: the round does not call the research door at all
     out, stats, _ = _run_batch(dense, None)
     with_hooks = dict(calls)
     calls.update(mtp=0, trunk=0)
-    monkeypatch.setattr(spec, "optipipe_round", lambda rows, ks: None)  # a build without the module's hooks
+    monkeypatch.setattr(spec, "ROUND_HOOK", None)  # a build without the research door
     bare, _, _ = _run_batch(dense, None)
     assert with_hooks["mtp"] > 0 and with_hooks["trunk"] > 0
     assert out == bare and calls == with_hooks and stats == OptiForkGateStats()
@@ -270,7 +276,7 @@ def test_absent_door_equals_a_build_without_hooks(monkeypatch, caplog):
     """Two server runs (K = 1, where a live door would fork every row): without the hooks, and as shipped with
     the door absent. Same tokens (== plain greedy), same /metrics series set, counters zero, no startup line."""
     with monkeypatch.context() as m:
-        m.setattr(spec, "optipipe_round", lambda rows, ks: None)
+        m.setattr(spec, "ROUND_HOOK", None)
         with ServerThread(num_speculative_tokens=1) as srv:
             bare_tokens, bare_series = _workload(srv), _series(srv)
     with caplog.at_level(logging.INFO, logger="nextn"):

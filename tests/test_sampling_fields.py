@@ -8,7 +8,7 @@ import torch
 
 from engine.loader import load_model
 from engine.scheduler import Scheduler
-from engine.spec import SpecSampling, SpecSession, generate_spec
+from engine.spec import DraftedSession, SpecSampling, SpecSession, generate_spec
 from tests.test_batch import _run
 from tests.test_spec import forced_drafter
 from tests.tiny import make_checkpoint
@@ -29,10 +29,11 @@ def _spec_equals_plain(model, prompt, n, sampling, eos=(), ks=(1, 3, 7)) -> list
     V = model.config.vocab_size
     ref, _ = generate_spec(model, prompt, n, k=0, sampling=sampling, eos_ids=eos)
     for k in ks:  # the forced drafter proposes the reference most of the time, so long windows are accepted
-        out, tel = generate_spec(model, prompt, n, k=k, capmax=8, sampling=sampling, eos_ids=eos,
-                                 draft_override=forced_drafter(ref, len(prompt), V, k, 0.2))
+        s = DraftedSession(model, prompt, n, k=k, capmax=8, sampling=sampling, eos_ids=eos,
+                           drafter=forced_drafter(ref, len(prompt), V, k, 0.2))
+        out = s.run()
         assert out == ref, f"k={k}"
-        assert tel.accepted > 0
+        assert s.telem.accepted > 0
     return ref
 
 

@@ -10,7 +10,7 @@ import torch
 from engine.cache import ModelCache
 from engine.loader import load_model
 from engine.model.ops import cpu
-from engine.spec import SPEC_TELEM_POS, SpecSampling, SpecSession, SpecTelemetry, generate_spec, prefill
+from engine.spec import SPEC_TELEM_POS, DraftedSession, SpecSampling, SpecSession, SpecTelemetry, generate_spec, prefill
 from tests.tiny import make_checkpoint
 
 N_NEW = 128
@@ -39,7 +39,7 @@ def _prompts(V):
 
 
 def forced_drafter(ref, plen, V, seed, wrong_rate=0.3):
-    """Draft override: the true greedy token, except at hashed positions where it is deliberately wrong."""
+    """A `DraftedSession` drafter: the true greedy token, except at hashed positions where it is deliberately wrong."""
     def override(pos, j, d):
         i = pos - plen  # index into the generated stream
         if i >= len(ref):
@@ -81,8 +81,8 @@ def test_forced_drafter_exercises_every_n_acc(model32):
     for k in range(1, 9):
         seen = [0] * (k + 1)
         for seed in range(3):
-            s = SpecSession(model, prompt, N_NEW, k=k, capmax=8,
-                            draft_override=forced_drafter(ref, len(prompt), V, seed, wrong_rate=0.5 / k ** 0.5))
+            s = DraftedSession(model, prompt, N_NEW, k=k, capmax=8,
+                               drafter=forced_drafter(ref, len(prompt), V, seed, wrong_rate=0.5 / k ** 0.5))
             assert s.run() == ref, f"k={k} seed={seed}"
             seen = [a + b for a, b in zip(seen, s.acc_hist)]
             t = s.telem
@@ -97,7 +97,7 @@ def test_every_cache_equals_fresh_prefill_after_each_round(ckpt):
     prompt = _prompts(V)[2]
     ref, _ = generate_spec(model, prompt, 40, k=0)
     k = 4
-    s = SpecSession(model, prompt, 40, k=k, draft_override=forced_drafter(ref, len(prompt), V, 1, 0.4))
+    s = DraftedSession(model, prompt, 40, k=k, drafter=forced_drafter(ref, len(prompt), V, 1, 0.4))
     s.step()  # prefill
     rounds = 0
     while not s.finished:
@@ -207,7 +207,7 @@ def test_constrained_spec_equals_constrained_plain(model32):
         plain_random = SpecSession(model, prompt, 96, k=k, capmax=8, constraint=ParityConstraint(V, banned))
         assert plain_random.run() == ref, f"k={k} (MTP drafts)"
         c = ParityConstraint(V, banned)
-        s = SpecSession(model, prompt, 96, k=k, capmax=8, constraint=c, draft_override=override)
+        s = DraftedSession(model, prompt, 96, k=k, capmax=8, constraint=c, drafter=override)
         assert s.run() == ref, f"k={k} (forced drafts)"
         assert s.constraint_cuts > 0 and s.telem.accepted > 0
 
@@ -218,13 +218,13 @@ def test_max_tokens_exact_and_eos_stop(model):
     ref, _ = generate_spec(model, prompt, 40, k=0)
     for k in (1, 3, 8):
         for n in (1, 2, 5, 17):
-            out, _ = generate_spec(model, prompt, n, k=k, capmax=8,
-                                   draft_override=forced_drafter(ref, len(prompt), V, 0, 0.1))
+            out = DraftedSession(model, prompt, n, k=k, capmax=8,
+                                 drafter=forced_drafter(ref, len(prompt), V, 0, 0.1)).run()
             assert out == ref[:n]
     eos = ref[12]
     first = ref.index(eos)
     for k in (0, 2, 5):
-        s = SpecSession(model, prompt, 40, k=k, eos_ids=[eos], draft_override=forced_drafter(ref, len(prompt), V, 0, 0.0))
+        s = DraftedSession(model, prompt, 40, k=k, eos_ids=[eos], drafter=forced_drafter(ref, len(prompt), V, 0, 0.0))
         assert s.run() == ref[:first + 1] and s.finish_reason == "stop"
 
 
@@ -356,6 +356,6 @@ def test_greedy_with_penalties_is_exact(model32):
     ref, _ = generate_spec(model, prompt, 48, k=0, sampling=s)
     assert ref != generate_spec(model, prompt, 48, k=0)[0]
     for k in (1, 4, 7):
-        out, _ = generate_spec(model, prompt, 48, k=k, sampling=s,
-                               draft_override=forced_drafter(ref, len(prompt), V, k, 0.2))
+        out = DraftedSession(model, prompt, 48, k=k, sampling=s,
+                             drafter=forced_drafter(ref, len(prompt), V, k, 0.2)).run()
         assert out == ref

@@ -7,9 +7,10 @@ discarded and reconciled. Measured on memra (increment 2): NO-GO -- the shadow d
 including rejected ones, and the controller stayed below the serial K = 1 loop at every threshold. This module is
 kept as a diagnostic door to reproduce that verdict, off by default.
 
-Here it is a bookkeeping layer around the batched round. `engine.spec.spec_round` calls two hooks:
-`optipipe_round(rows, ks)` before drafting (returns None unless a mode is armed: the default path is one global
-read) and `OptiForkRound.resolve(model, drafts, host)` after the round's commits. Per servable row and round:
+Here it is a bookkeeping layer around the batched round, reached through its one door `engine.spec.ROUND_HOOK`:
+arming a mode sets the hook to `optipipe_round` (disarming sets it back to None, so a disarmed round does not even
+call it). `engine.spec.spec_round` calls `optipipe_round(rows, ks)` before drafting and `OptiForkRound.resolve(model,
+drafts, host)` after the round's commits. Per servable row and round:
 
   fork     save the MTP-head KV rows the shadow writes: P (the round's last committed row), P + 1, P + 2;
   check    shadow d2 from the full-accept tip: one head step over (d1, h1) at P + 1, where h1 is the head
@@ -32,8 +33,8 @@ Modes. `CONTROLLER` is armed by `set_optipipe_controller_threshold(q)` (the serv
 `nextn serve --research-opti-controller-q Q`); q = 0 is the unconditional measurement arm; q > 0 trips a session's
 breaker after `BREAKER_MISSES` consecutive admitted misses (that session is not checked again). The forced modes
 (`set_optipipe_gate_mode`, the `nextn optipipe-gate` harness only) admit every servable check with real
-resolution; the harness forces the verdict through the drafts (an oracle drafter via the session's
-`draft_override` test hook: the plain-greedy tokens give hits, a wrong shadow d2 misses), so no acceptance is
+resolution; the harness forces the verdict through the drafts (an oracle drafter: its sessions are
+`engine.spec.DraftedSession`s; the plain-greedy tokens give hits, a wrong shadow d2 misses), so no acceptance is
 ever fabricated. `ABORT` drains its first attempt and then stops attempting.
 
 Accounting: shadow_draft_tokens = gate_checks + gate_admits (d2 per check, d3 per admission);
@@ -50,16 +51,15 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from .cache import KVPool, StatePool
-from .model.qwen35 import FwdCtx
-
-if TYPE_CHECKING:
-    from .model.qwen35 import Qwen35ForCausalLM
-    from .spec import SpecSession
+from engine import spec
+from engine.cache import KVPool, StatePool
+from engine.model.qwen35 import FwdCtx, Qwen35ForCausalLM
+from engine.sampling import SpecSampling
+from engine.spec import DraftedSession, SpecSession, generate_spec, spec_round
 
 __all__ = [
     "OptiForkGateMode", "OptiForkGateStats", "OptiForkStateIdentity", "OptiForkStateMismatch", "OptiForkRound",
@@ -196,12 +196,14 @@ def set_optipipe_controller_threshold(q: float) -> None:
 
 
 def _rearm(mode: OptiForkGateMode, q: float | None = None) -> None:
-    """Set the mode (and q unless None) and clear the Abort latch."""
+    """Set the mode (and q unless None) and clear the Abort latch; arm the round's door (`engine.spec.ROUND_HOOK`)
+    for any mode but DISABLED, and close it (None) for DISABLED."""
     global _mode, _threshold, _abort_spent
     with _lock:
         _mode, _abort_spent = mode, False
         if q is not None:
             _threshold = q
+        spec.ROUND_HOOK = None if mode is OptiForkGateMode.DISABLED else optipipe_round
 
 
 def set_optipipe_gate_mode(mode: OptiForkGateMode | str) -> None:
@@ -263,8 +265,9 @@ def _refusal(r: SpecSession, k: int) -> str | None:
 
 
 def optipipe_round(rows: Sequence[SpecSession], ks: Sequence[int]) -> OptiForkRound | None:
-    """Hook at the start of `spec_round` (before drafting). None -- and nothing else happens -- unless a mode is
-    armed; otherwise the round's fork: its servable rows with the MTP input row that drafts their d1."""
+    """`engine.spec.ROUND_HOOK` while a mode is armed, called at the start of `spec_round` (before drafting). None
+    -- and nothing else happens -- while the gate is suspended or disarmed; otherwise the round's fork: its
+    servable rows with the MTP input row that drafts their d1."""
     if _mode is OptiForkGateMode.DISABLED:
         return None
     return OptiForkRound.begin(rows, ks)
@@ -419,14 +422,14 @@ def _head_step(model: Qwen35ForCausalLM, kv: KVPool, slots: list[int], pos: list
 
 
 def _override(sess: Sequence[SpecSession], P: Sequence[int], j: int, tok: torch.Tensor) -> torch.Tensor:
-    """Apply each session's `draft_override` test hook to shadow draft j (the round's d_j sits at position
-    P + 2 + j, as `_draft` numbers it)."""
-    if not any(r.draft_override is not None for r in sess):
+    """Apply each `DraftedSession`'s drafter to shadow draft j (the round's d_j sits at position P + 2 + j, as
+    `engine.draft._draft` numbers it)."""
+    if not any(isinstance(r, DraftedSession) for r in sess):
         return tok
     tok = tok.clone()
     for a, r in enumerate(sess):
-        if r.draft_override is not None:
-            tok[a] = r.draft_override(P[a] + 2 + j, j, int(tok[a]))
+        if isinstance(r, DraftedSession):
+            tok[a] = r.drafter(P[a] + 2 + j, j, int(tok[a]))
     return tok
 
 
@@ -599,9 +602,6 @@ def run_gate(model: Qwen35ForCausalLM, mode: OptiForkGateMode, prompts: Sequence
     (forkable; forced modes draft with the oracle), plus a sampled K = 1, a greedy K = 2 and a grammar-constrained
     K = 1 session on the first prompt (refused). EOS is ignored (full-length runs). The gate's previous mode
     is restored and its counters are reset before the run."""
-    from .sampling import SpecSampling
-    from .spec import SpecSession, generate_spec, spec_round
-
     cfg, V = model.config, model.config.vocab_size
     if not cfg.has_mtp:
         raise ValueError("the model has no MTP head: OptiFork needs K = 1 speculation")
@@ -619,9 +619,10 @@ def run_gate(model: Qwen35ForCausalLM, mode: OptiForkGateMode, prompts: Sequence
         for sp in specs:
             i = sp["prompt"]
             ov = _oracle_drafter(mode, plain[i], len(prompts[i]), V) if sp.get("oracle") else None
-            out.append(SpecSession(model, prompts[i], max_new_tokens, k=sp["k"], capmax=capmax, pool=pool,
-                                   sampling=sp.get("sampling", SpecSampling()), constraint=sp.get("constraint"),
-                                   draft_override=ov))
+            kw = dict(k=sp["k"], capmax=capmax, pool=pool, sampling=sp.get("sampling", SpecSampling()),
+                      constraint=sp.get("constraint"))
+            out.append(SpecSession(model, prompts[i], max_new_tokens, **kw) if ov is None
+                       else DraftedSession(model, prompts[i], max_new_tokens, drafter=ov, **kw))
         for s in out:
             while s.prefilling:
                 s.prefill_chunk()

@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .cache import ModelCache
-from .model.qwen35 import Qwen35ForCausalLM
-from .spec import SpecSession, prefill
+from engine.cache import ModelCache
+from engine.model.qwen35 import Qwen35ForCausalLM
+from engine.spec import SpecSession, prefill
 
 FORMAT = "nextn-dspark-anchors-v1"
 _M64 = (1 << 64) - 1

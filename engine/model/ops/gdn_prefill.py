@@ -19,8 +19,10 @@ boundaries are absolute multiples of 64 (the grid, engine/spec.py): a prompt pre
 calls split at multiples of 64 gives bitwise the same outputs and states, and a row's result never depends on the
 other rows (one program per (row, value head, dv block) walks that row's chunks in order).
 
-Twin: `chunked_gdn_ref` (gdn.py `gdn_chunked` per row, fp32). Not wired into the model yet: prefill's grid
-(engine/spec.py) decides where it is called from.
+Twin: `chunked_gdn_ref` (gdn.py `gdn_chunked` per row, fp32). Called through ops.gdn_prefill by the model's GDN layers
+(engine/model/qwen35.py `GatedDeltaNet._prefill_kernel`) in every host prefill forward on the kernel path
+(`FwdCtx.prefill_kernels`): one grid block per row (engine/spec.py `next_chunk`), so chunk boundaries are absolute
+multiples of 64 whenever the block starts on the grid.
 """
 from __future__ import annotations
 

@@ -6,14 +6,16 @@ and the whole model.
                                     selfcheck: the launch table of this device (every kernel's config and its
                                       shared-memory estimate vs the device's limit) and the startup self-check
                                       at the 9B shape (each kernel vs its twin, as `nextn serve` runs it);
-                                    prefill: the new prefill kernels called directly at the 9B shape for 512,
-                                      4k and 32k-token prompts (GDN chunk kernel vs the torch chunked form,
-                                      prefill attention vs causal SDPA, prefill matmuls, the model's tokens/s
-                                      from their sum; each kernel vs its twin);
+                                    prefill: the prefill kernels (which the model's prefill calls) called
+                                      directly at the 9B shape for 512, 4k and 32k-token prompts (GDN chunk
+                                      kernel vs the torch chunked form, prefill attention vs causal SDPA,
+                                      prefill matmuls, a 9B-shaped model's tokens/s from their sum; each kernel
+                                      vs its twin); the whole model's prefill is timed under models;
                                     models: per random-weight bf16 model (0.8B, 9B, 35B-A3B with 8 of its 40
                                       layers): HBM floor, startup time (self-check + CUDA graph capture),
                                       plain decode / verify K+1 / MTP draft / K=3 round step times at batch 1
-                                      and 8 (graph replays), prefill tokens/s at batch 1 and 8, end-to-end
+                                      and 8 (graph replays), prefill tokens/s at batch 1 and 8 (the model's
+                                      prefill: through the prefill kernels), end-to-end
                                       greedy tokens/s, transformers `generate` as the peer, the bitwise checks
                                       in bf16 (spec == plain, alone == batched, T=1 == T=K+1); FP8 rows go next
                                       to them (gpu_model.specs);
@@ -464,10 +466,11 @@ def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 
 
 def prefill_rows(c: Ctx, d: dict, lengths: tuple[int, ...], twin_max: int = 4096) -> tuple[list, list]:
-    """Prefill through the new kernels, called directly, one prompt of T tokens from position 0 per length: the
-    chunked GDN kernel and the prefill attention kernel of one layer each (vs the torch chunked form and causal
-    SDPA), the prefill-tiling matmuls of one layer of each kind, and the whole model's tokens/s from their sum
-    (layers x kernels; norms, convs, gates and the LM head left out). Checks: each kernel vs its twin at the
+    """Prefill through the kernels the model's prefill calls (engine/model/qwen35.py `FwdCtx.prefill_kernels`),
+    called directly here, one prompt of T tokens from position 0 per length: the chunked GDN kernel and the prefill
+    attention kernel of one layer each (vs the torch chunked form and causal SDPA), the prefill-tiling matmuls of
+    one layer of each kind, and a 9B-shaped model's tokens/s from their sum (layers x kernels; norms, convs, gates
+    and the LM head left out; the models section times whole models' prefill through the scheduler). Checks: each kernel vs its twin at the
     first length."""
     import gpu_model as gm
 
@@ -732,7 +735,7 @@ def run(args: argparse.Namespace) -> int:
                                   (70,) if args.smoke else PREFILL_LENGTHS)
             steps += st
             checks += ch
-            gm.print_model_tables(st, ch, "Prefill through the new kernels, called directly",
+            gm.print_model_tables(st, ch, "Prefill kernels (the model's prefill path), called directly",
                                   "Prefill kernels vs their twins")
         else:
             checks.append(gm.Check("-", "prefill section", None, "skipped: out of budget"))

@@ -246,9 +246,19 @@ def model_rows(spec: ModelSpec, dev: str, copy_gbps: float | None, deadline: flo
     return steps, checks
 
 
+def _prefill_path(m: Qwen35ForCausalLM) -> str:
+    """What the model's prefill forwards run (engine/model/qwen35.py `FwdCtx.prefill_kernels`): the prefill grid's
+    attention and chunked GDN kernels, or, for the ones that fell back (or off the kernel path), the host path."""
+    w = m.lm_head.weight
+    off = [k for k in ("attention_prefill", "gdn_prefill") if not ops.use_kernel(k, w)]
+    return "the prefill kernels" if not off else f"host path for {', '.join(off)}"
+
+
 def _prefill_tps(spec: ModelSpec, m: Qwen35ForCausalLM, dev: str, B: int) -> float:
-    """Prefill tokens/s through the scheduler: B prompts of spec.prompt // B tokens each (the same tokens in all),
-    chunks of spec.chunk under a budget of B chunks per step, one new token each (the prefill's own)."""
+    """Prefill tokens/s through the scheduler, the model's own prefill (on the kernel path: the prefill grid's
+    attention and chunked GDN kernels, `_prefill_path`): B prompts of spec.prompt // B tokens each (the same
+    tokens in all), chunks of spec.chunk under a budget of B chunks per step, one new token each (the prefill's
+    own)."""
     n = spec.prompt // B
     sched = Scheduler(m, max_num_seqs=B, max_model_len=n + 16, k=0, max_num_batched_tokens=B * spec.chunk,
                       step_graphs=True)
@@ -275,7 +285,8 @@ def _step_rows(spec: ModelSpec, m: Qwen35ForCausalLM, dev: str,
     steps.append(startup_row(spec, m, dev))
     _prefill_tps(dataclasses.replace(spec, prompt=spec.chunk), m, dev, 1)  # warm-up: compiles the chunk's kernels
     for B in (1, B8):
-        steps.append(Step(name, f"prefill, {spec.prompt // B} tokens x {B}, chunks of {spec.chunk} (tokens/s)", B,
+        steps.append(Step(name, f"prefill, {spec.prompt // B} tokens x {B}, chunks of {spec.chunk}, "
+                                f"{_prefill_path(m)} (tokens/s)", B,
                           None, _prefill_tps(spec, m, dev, B), "tokens/s"))
     checks: list[Check] = []
     # B8 sessions with spec.ctx cached tokens in a K = 4 pool; the scheduler's graph runner

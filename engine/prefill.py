@@ -10,8 +10,9 @@ split never depends on the token budget, the batch or K. What a block computes m
     (right-padded) and a block's bits are what its row alone computes: `packs_rows` is True. The same kernels run the
     decode and verify steps, so a state reached by decoding is bitwise the state a prefill of the same tokens
     reaches (`steps_match_prefill`): the prefix cache may then keep blocks that generated tokens completed;
-  * elsewhere (the torch path: a GEMM whose rounding follows the row count, SDPA over padded rows; the GPU's
-    prefill until its kernels are batch-invariant) each forward carries one block of one session,
+  * elsewhere (the torch path: a GEMM whose rounding follows the row count, SDPA over padded rows; on CUDA, where
+    a block's attention and GDN run the prefill kernels of engine/model/ops (per-row by construction) but the GPU
+    has not yet confirmed the rest row-wise) each forward carries one block of one session,
     whose shape depends on the block alone, so its bits are the same whatever else runs.
 """
 from __future__ import annotations

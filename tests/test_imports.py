@@ -16,11 +16,7 @@ from config.settings import REPO_ROOT
 PACKAGES = ("engine", "grammar", "server", "research", "metrics", "config")
 
 #: (importer, imported) pairs allowed to close a circle through a function-level import, each with its reason.
-ALLOWED = {
-    # engine/model/moe.py `fuse` imports engine/model/qwen35.py (which imports moe.py at module level): a separate
-    # change to engine/model/ removes this circle.
-    ("engine.model.moe", "engine.model.qwen35"),
-}
+ALLOWED: set[tuple[str, str]] = set()
 
 
 def _modules(root: Path, packages: tuple[str, ...]) -> dict[str, Path]:

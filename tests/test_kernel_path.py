@@ -179,6 +179,22 @@ def test_logits_bitwise_alone_or_batched_and_t1_or_verify(moe, dtype):
     assert torch.equal(ma[0], mb[1]), "MTP draft logits: alone vs batched"
 
 
+def run_greedy(m, prompts: list[list[int]], n_new: int, k: int, refs: list[list[int]] | None = None,
+               **sched_kw) -> tuple[list[list[int]], list[SpecSession], Scheduler]:
+    """Greedy sessions of `prompts` through one Scheduler (K = k) until done: (tokens each emitted, the sessions, the
+    scheduler). refs: plain greedy's tokens, which forced drafts (`forced_drafter`) follow except at hashed
+    positions (every n_acc path)."""
+    sched = Scheduler(m, k=k, **sched_kw)
+    ss = [SpecSession(m, p, n_new, k=k, pool=sched.pool) if refs is None
+          else DraftedSession(m, p, n_new, k=k, pool=sched.pool, drafter=forced_drafter(refs[i], len(p), V, k, 0.35))
+          for i, p in enumerate(prompts)]
+    for s in ss:
+        sched.add(s)
+    while sched.num_sessions:
+        sched.step()
+    return [s.emitted for s in ss], ss, sched
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_greedy_spec_equals_plain_through_kernels_and_graph_runner(dtype):
@@ -190,17 +206,10 @@ def test_greedy_spec_equals_plain_through_kernels_and_graph_runner(dtype):
     n_new = 10
 
     def run(k, refs=None):
-        sched = Scheduler(m, max_num_seqs=4, max_model_len=40, k=k, max_num_batched_tokens=64, step_graphs=True)
+        out, ss, sched = run_greedy(m, prompts, n_new, k, refs, max_num_seqs=4, max_model_len=40,
+                                    max_num_batched_tokens=64, step_graphs=True)
         assert isinstance(sched.runner, GraphRunner) and sched.buckets == [1, 2, 4] and sched.pool.slots == 5
-        ss = [SpecSession(m, p, n_new, k=k, pool=sched.pool) if refs is None
-              else DraftedSession(m, p, n_new, k=k, pool=sched.pool,
-                                  drafter=forced_drafter(refs[i], len(p), V, k, 0.35))
-              for i, p in enumerate(prompts)]
-        for s in ss:
-            sched.add(s)
-        while sched.num_sessions:
-            sched.step()
-        return [s.emitted for s in ss], ss
+        return out, ss
 
     with ops.force_kernels():
         plain, _ = run(0)

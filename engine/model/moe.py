@@ -16,6 +16,7 @@ from torch import nn
 from .config import Qwen35Config
 from .ops import cpu
 from .ops import dispatch as ops
+from .ops.fuse import fuse_linears
 from .ops.matmul import group_by_expert
 
 
@@ -35,8 +36,6 @@ class MLP(nn.Module):
 
     def fuse(self) -> None:
         """Serve with one gate|up GEMM (the separate weights become views of it)."""
-        from .qwen35 import fuse_linears
-
         self._w_gu = fuse_linears([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:

@@ -28,7 +28,11 @@ Two implementations of the same math, chosen per tensor by `ops.use_triton` (CUD
     step forward (decode, verify, MTP draft) built with `FwdCtx.from_tensors` runs attention over the pool and
     the GDN conv + recurrent update as kernels on device tensors only (no host values), so it can be captured
     in a CUDA graph (engine/graphs.py). A row's outputs then do not depend on the other rows nor on T
-    (pool_layout.md). Prefill chunks keep a host `FwdCtx` (chunked GDN, SDPA; shared by spec and plain).
+    (pool_layout.md). Prefill blocks keep a host `FwdCtx` (shared by spec and plain) and run on the prefill grid's
+    kernels (`FwdCtx.prefill_kernels`): K/V written by `ops.write_kv`, attention as ops.attention_prefill (the causal
+    mask computed in the kernel, the gate fused), the GDN conv as the torch path's, then its recurrence as
+    ops.gdn_prefill (chunks of 64 from the block's first token), so a block's bits depend on the block alone, not on
+    the batch, the load or how many blocks one forward carries.
 """
 from __future__ import annotations
 
@@ -44,9 +48,8 @@ from .moe import MLP, SparseMoeBlock
 from .ops import dispatch as ops
 from .ops import cpu
 from .ops.gdn import causal_conv_window, gdn_chunked, gdn_recurrent_step, l2norm
-from .ops.matmul_fp8 import FP8, mark
-from .ops.matmul_fp8 import fuse as fuse_fp8
-from .ops.matmul_fp8 import scales as fp8_scales
+from .ops.fuse import fuse_linears
+from .ops.matmul_fp8 import FP8
 from .ops.norm import as_dtype, const, one_plus
 
 if TYPE_CHECKING:
@@ -94,29 +97,6 @@ def linear(x: torch.Tensor, w: torch.Tensor, ctx: FwdCtx | None = None) -> torch
         if y is not None:
             return y
     return F.linear(x, w)
-
-
-def fuse_linears(linears: list[nn.Linear]) -> torch.Tensor | None:
-    """One weight [sum out, in] for several bias-free linears that read the same input; each linear's weight
-    becomes a view of its rows (so a state dict and in-place edits still see the same numbers). One GEMM then
-    replaces len(linears) of them. FP8 weights fuse with their block scales (any row counts: matmul_fp8.fuse); a
-    mix of FP8 and unquantized weights (the GDN's a / b projections stay bf16 in Qwen's FP8 releases) is left
-    unfused: None, and the caller runs one GEMM per linear."""
-    fp8 = [m.weight.dtype == FP8 for m in linears]
-    if any(fp8):
-        if not all(fp8):
-            return None
-        w, views = fuse_fp8([m.weight for m in linears])
-        for m, v in zip(linears, views):
-            m.weight = mark(nn.Parameter(v, requires_grad=False), *fp8_scales(v))
-        return w
-    w = torch.cat([m.weight.detach() for m in linears]).contiguous()
-    r = 0
-    for m in linears:
-        n = m.weight.shape[0]
-        m.weight = nn.Parameter(w[r:r + n], requires_grad=False)
-        r += n
-    return w
 
 
 def pin_attributes(root: nn.Module) -> None:
@@ -221,6 +201,7 @@ class FwdCtx:
     _lens_t: torch.Tensor | None = None  # [N] long, when lens is set (built on first use)
     device: torch.device | str | None = None  # host contexts: where the index tensors go
     rope_tab: tuple[torch.Tensor, torch.Tensor] | None = None  # host contexts: cos, sin [>= max(pos0) + T, R]
+    _grid: tuple[torch.Tensor, ...] | None = None  # slot, pos0, read, write0 [N] long (`grid_index`)
 
     @classmethod
     def make(cls, cfg, device: torch.device | str, dtype: torch.dtype, slots: list[int], pos0: list[int],
@@ -274,6 +255,22 @@ class FwdCtx:
         every host forward over the pool (step forwards: decode, verify, MTP drafts; prefill blocks of any length),
         never the kernel path's step context."""
         return not self.kernels
+
+    def prefill_kernels(self, name: str, t: torch.Tensor) -> bool:
+        """Whether a layer of this forward runs op `name` ("attention_prefill" or "gdn_prefill") as its prefill-grid
+        kernel: a host forward that writes final states only (a prompt's grid block, the MTP head's prefill rows; any
+        T) on tensors that kernel takes (`ops.use_kernel`: CUDA with triton, and the kernel not fallen back; on a CPU
+        only inside the tests' `ops.force_kernels`). Never a step forward (`record`, or the kernel path's `kernels`)."""
+        return not self.kernels and not self.record and ops.use_kernel(name, t)
+
+    def grid_index(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Host forwards on the prefill kernels (`prefill_kernels`): slot, pos0, read, write0 [N] long on the
+        forward's device (one row too), built once per forward for all of its layers."""
+        assert self.slots is not None and self.pos0 is not None and self.read is not None and self.write0 is not None
+        if self._grid is None:
+            self._grid = tuple(torch.tensor(v, device=self.device)  # [N] long each
+                               for v in (self.slots, self.pos0, self.read, self.write0))
+        return self._grid  # type: ignore[return-value]
 
     def causal_masks(self, device: torch.device | str) -> torch.Tensor:
         """Host forwards: every row's attention mask [N, T, max(pos0) + T] (query t of row i sees keys
@@ -363,14 +360,17 @@ class GatedAttention(nn.Module):
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """x: [N, T, H] -> [N, T, H]. Without `ctx`: causal self-attention over each row (`rope` = tables for
         positions 0..T-1). With `ctx` and `kv`: row i's K/V are written at kv[slot_i, pos0_i..] and its queries
-        attend its own cached keys [0, pos0_i + t] (a kernel-path step context: the pool attention kernel). On a CPU,
-        for fp32 and when ops/cpu.py's C kernels are built, step forwards (`ctx.record`: decode, verify, MTP drafts)
-        and prefill blocks (`ctx.cpu_kernels`) run everything between the two projections as one C call."""
+        attend its own cached keys [0, pos0_i + t] (a kernel-path step context: the pool attention kernel; a host
+        prefill forward whose tensors the kernels take, `ctx.prefill_kernels`: the prefill attention kernel, causal
+        mask computed in it, gate fused). Elsewhere on a CPU, for fp32 and when ops/cpu.py's C kernels are built, step
+        forwards (`ctx.record`: decode, verify, MTP drafts) and prefill blocks (`ctx.cpu_kernels`) run everything
+        between the two projections as one C call."""
         N, T, _ = x.shape
         nq, nk = 2 * self.nh * self.hd, self.nkv * self.hd
+        grid = ctx is not None and kv is not None and ctx.prefill_kernels("attention_prefill", x)
         if self._w_qkv is not None:
             qkv = linear(x, self._w_qkv, ctx)  # [N, T, nq + 2 nk]
-            if ctx is not None and kv is not None and ctx.cpu_kernels and cpu.takes(qkv):  # the fused C step
+            if not grid and ctx is not None and kv is not None and ctx.cpu_kernels and cpu.takes(qkv):  # fused C
                 assert ctx.slots is not None and ctx.pos0 is not None and ctx.rope_tab is not None  # a host context
                 o = cpu.attn_step(qkv, one_plus(self.q_norm.weight, qkv.dtype), one_plus(self.k_norm.weight, qkv.dtype),
                                   self.q_norm.eps, *ctx.rope_tab, kv.k, kv.v, ctx.slots, ctx.pos0, self.nh, self.nkv,
@@ -388,10 +388,12 @@ class GatedAttention(nn.Module):
         qk = apply_partial_rope(torch.cat([q, k], dim=2), cos, sin)  # [N, T, nh + nkv, hd]: one rotation for both
         q, k = qk[:, :, :self.nh], qk[:, :, self.nh:]
         gqa = self.nh != self.nkv
-        if ctx is not None and ctx.kernels:
+        if ctx is not None and (ctx.kernels or grid):  # the pool's K/V through a kernel: step, or prefill grid
             assert kv is not None
-            ops.write_kv(kv.k, kv.v, k, v, ctx.slot_t, ctx.pos0_t)
-            o = ops.attention(q, kv.k, kv.v, ctx.slot_t, ctx.pos0_t, self.hd ** -0.5, gate)  # gated, [N, T, nh, hd]
+            slot, pos0 = (ctx.slot_t, ctx.pos0_t) if ctx.kernels else ctx.grid_index()[:2]  # [N] each
+            ops.write_kv(kv.k, kv.v, k, v, slot, pos0)
+            attend = ops.attention if ctx.kernels else ops.attention_prefill
+            o = attend(q, kv.k, kv.v, slot, pos0, self.hd ** -0.5, gate)  # gated, [N, T, nh, hd]
             return linear(o.reshape(N, T, self.nh * self.hd), self.o_proj.weight)
         if ctx is None or kv is None:
             o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
@@ -464,13 +466,16 @@ class GatedDeltaNet(nn.Module):
         step per token and write every per-position state, others write the final state (see `FwdCtx`). On a CPU,
         for fp32 and when ops/cpu.py's C kernel is built, step forwards and prefill blocks (`ctx.cpu_kernels`;
         padding rows through `lens`) run as that one fused call from the input projection to the gated norm, token
-        by token."""
+        by token. A host prefill forward whose tensors the kernels take (`ctx.prefill_kernels`) keeps the conv
+        below and runs the recurrence as the chunked GDN kernel on the prefill grid (`_prefill_kernel`)."""
         N, T, _ = x.shape
         dt = x.dtype
         sdt = torch.float64 if dt == torch.float64 else torch.float32
+        grid = ctx is not None and st is not None and ctx.prefill_kernels("gdn_prefill", x)
         if self._w_in is not None:
             proj = linear(x, self._w_in, ctx)  # [N, T, C + nv*dv + 2 nv]
-            if ctx is not None and st is not None and ctx.cpu_kernels and cpu.usable(proj, self.kc):  # fused C
+            if not grid and ctx is not None and st is not None and ctx.cpu_kernels \
+                    and cpu.usable(proj, self.kc):  # fused C
                 assert ctx.slots is not None and ctx.read is not None and ctx.write0 is not None
                 o = cpu.gdn_step(proj, self.conv1d.weight[:, 0, :], st.conv, st.rec, ctx.slots, ctx.read,
                                  ctx.write0, *self._decay_consts(), self.norm.weight, self.norm.eps, self.nk,
@@ -494,6 +499,10 @@ class GatedDeltaNet(nn.Module):
             conv_state = qkv.new_zeros(N, qkv.shape[-1], self.kc - 1)
         y, window = causal_conv_window(qkv.transpose(1, 2), conv_state, self.conv1d.weight)  # [N, C, T], [N, C, Kc-1+T]
         y = y.transpose(1, 2)  # [N, T, C]
+        if grid:
+            o = self._prefill_kernel(y, b, a, ctx, st)  # [N, T, nv, dv] in dt
+            self._write_conv_end(window, ctx, st)
+            return linear(self.norm(o, z).reshape(N, T, self.nv * self.dv), self.out_proj.weight)
         Kd = self.nk * self.dk
         qk = l2norm(as_dtype(y[..., :2 * Kd].reshape(N, T, 2 * self.nk, self.dk), sdt))  # q and k heads in one pass
         r = self.nv // self.nk
@@ -542,17 +551,48 @@ class GatedDeltaNet(nn.Module):
                 o, s = gdn_chunked(q, k, v, g, beta, s0)
             if N == 1:
                 st.rec[ctx.slots[0], ctx.write0[0]] = s[0]
-                st.conv[ctx.slots[0], ctx.write0[0]] = window[0, :, T:]
             else:
                 st.rec_rows.index_copy_(0, wr, s)
-                if ctx.lens_t is None:
-                    conv_end = window[..., T:]  # [N, C, Kc-1]
-                else:  # the window after each row's last real token: window[i, :, lens[i] : lens[i] + Kc-1]
-                    at = ctx.lens_t[:, None, None] + torch.arange(self.kc - 1, device=x.device)  # [N, 1, Kc-1]
-                    conv_end = window.gather(-1, at.expand(N, window.shape[1], self.kc - 1))
-                st.conv_rows.index_copy_(0, wr, conv_end)
+            self._write_conv_end(window, ctx, st)
         o = self.norm(as_dtype(o, dt), z)  # [N, T, nv, dv]
         return linear(o.reshape(N, T, self.nv * self.dv), self.out_proj.weight)
+
+    def _write_conv_end(self, window: torch.Tensor, ctx: FwdCtx, st: "GdnPool") -> None:
+        """A forward that writes final states only: each row's conv state after its last real token (window
+        [N, C, Kc-1+T] from `causal_conv_window`; `ctx.lens` for padded rows) to window slot write0[i]."""
+        N, T = window.shape[0], ctx.T
+        if N == 1:
+            st.conv[ctx.slots[0], ctx.write0[0]] = window[0, :, T:]
+            return
+        if ctx.lens_t is None:
+            conv_end = window[..., T:]  # [N, C, Kc-1]
+        else:  # the window after each row's last real token: window[i, :, lens[i] : lens[i] + Kc-1]
+            at = ctx.lens_t[:, None, None] + torch.arange(self.kc - 1, device=window.device)  # [N, 1, Kc-1]
+            conv_end = window.gather(-1, at.expand(N, window.shape[1], self.kc - 1))
+        st.conv_rows.index_copy_(0, ctx.flat(st.conv.shape[1], "write"), conv_end)
+
+    def _prefill_kernel(self, y: torch.Tensor, b: torch.Tensor, a: torch.Tensor, ctx: FwdCtx,
+                        st: "GdnPool") -> torch.Tensor:
+        """Host prefill forward on the kernels (`ctx.prefill_kernels`): the gates' kernel, then the chunked GDN kernel
+        on the prefill grid (ops.gdn_prefill: chunks of 64 from each row's first token) from window slot read[i] to
+        write0[i], padding (`ctx.lens`) left out of the state and zero in o. y [N, T, C] the conv output (after
+        SiLU), b, a [N, T, nv] -> o [N, T, nv, dv] in y's dtype."""
+        N, T, _ = y.shape
+        y = y.contiguous()  # [N, T, C]: the kernel reads q, k, v rows with a unit last stride
+        Kd = self.nk * self.dk
+        q = y[..., :Kd].view(N, T, self.nk, self.dk)
+        k = y[..., Kd:2 * Kd].view(N, T, self.nk, self.dk)
+        v = y[..., 2 * Kd:].view(N, T, self.nv, self.dv)
+        g, beta = ops.gdn_gates(a, b, *self._decay_consts())  # [N, T, nv] fp32 each
+        slot, _, read, write = ctx.grid_index()
+        o = ops.gdn_prefill(q, k, v, g, beta, st.rec, slot, read, write, ctx.lens_t, qk_l2norm=True,
+                            out_dtype=y.dtype)  # [N, T, nv, dv]
+        if ctx.lens_t is None:
+            return o
+        # the kernel leaves a row's columns past its length unwritten: zeros there, so the padding's later ops
+        # (norms, MLP, router) read numbers, never stale memory
+        real = torch.arange(T, device=y.device) < ctx.lens_t[:, None]  # [N, T]
+        return o.where(real[..., None, None], 0.0)
 
     def _step_kernels(self, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, w: torch.Tensor,
                       ctx: FwdCtx, st: "GdnPool") -> torch.Tensor:

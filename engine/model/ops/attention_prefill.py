@@ -18,8 +18,9 @@ launch table (per dtype, head_dim and device: fixed per process), never from T o
 Its rounding differs from the decode kernel's (attention.py splits the keys by the query's own key count):
 prefill is shared by plain and speculative decoding, so it never has to match decode.
 
-Twin: attention.py `attention_ref` (the same semantics). Not wired into the model yet: prefill's grid
-(engine/spec.py) decides where it is called from.
+Twin: attention.py `attention_ref` (the same semantics). Called through ops.attention_prefill by the model's attention
+layers (engine/model/qwen35.py `GatedAttention.forward`, trunk and MTP head) in every host prefill forward on the
+kernel path (`FwdCtx.prefill_kernels`), after `write_kv` put the block's K/V in the pool.
 """
 from __future__ import annotations
 

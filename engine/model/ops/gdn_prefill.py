@@ -15,12 +15,14 @@ Pool and grid contract: rec [S, W, nv, dk, dv] fp32; row i reads rec[slot[i], cu
 and writes its state after its last token to rec[slot[i], dst[i]] (dst may equal cur). Row i has lens[i] <= T
 tokens (the rest of its T columns is padding: not read past lens[i], not written). Chunks are counted from the
 row's first token, and the caller starts every row at an absolute position that is a multiple of 64, so chunk
-boundaries are absolute multiples of 64 (the grid, engine/spec.py): a prompt prefilled in one call or in several
+boundaries are absolute multiples of 64 (the grid, engine/cache.py PREFILL_GRID): a prompt prefilled in one call or in several
 calls split at multiples of 64 gives bitwise the same outputs and states, and a row's result never depends on the
 other rows (one program per (row, value head, dv block) walks that row's chunks in order).
 
-Twin: `chunked_gdn_ref` (gdn.py `gdn_chunked` per row, fp32). Not wired into the model yet: prefill's grid
-(engine/spec.py) decides where it is called from.
+Twin: `chunked_gdn_ref` (gdn.py `gdn_chunked` per row, fp32). Called through ops.gdn_prefill by the model's GDN layers
+(engine/model/qwen35.py `GatedDeltaNet._prefill_kernel`) in every host prefill forward on the kernel path
+(`FwdCtx.prefill_kernels`): one grid block per row (engine/session.py `next_chunk`), so chunk boundaries are absolute
+multiples of 64 whenever the block starts on the grid.
 """
 from __future__ import annotations
 

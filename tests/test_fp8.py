@@ -291,6 +291,7 @@ def _served(model, k: int, n: int) -> list[list[int]]:
     return [s.emitted for s in sessions]
 
 
+@pytest.mark.slow
 @needs_triton
 def test_kernel_path_keeps_fp8_and_gives_the_dequantized_models_greedy_tokens(ckpts):
     """Where the kernel path runs (forced on CPU), the linears and experts stay FP8 with their scales (q|k|v fused

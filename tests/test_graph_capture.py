@@ -106,6 +106,7 @@ def test_a_failed_capture_leaves_that_key_alone_eager(monkeypatch, caplog):
         assert all(g.replays == 0 for g in graphs)
 
 
+@pytest.mark.slow
 def test_startup_logs_the_capture_and_strict_makes_a_failure_fatal(monkeypatch, caplog):
     runner = _runner()
     with fake_cuda_graphs(monkeypatch), ops.force_kernels(), caplog.at_level("INFO", logger="engine.selfcheck"):

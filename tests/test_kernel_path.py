@@ -148,6 +148,7 @@ def test_kernel_step_forward_matches_torch_path(moe, dtype):
             assert _rel(a.conv[slots, :T], b.conv[slots, :T]) <= 2e-5, "GDN conv states"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("moe,dtype", [(False, "float32"), (True, "float32"), (False, "bfloat16")])
 def test_logits_bitwise_alone_or_batched_and_t1_or_verify(moe, dtype):
     m = _model(moe, dtype, seed=4)

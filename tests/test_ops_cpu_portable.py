@@ -198,6 +198,7 @@ _PICK = ("test_ops_cpu or (float32-dense and (spec_equals_plain_greedy_every_k o
          "joining_prompts)) or (tiny and (packs_rows or every_k_from or tiny-257] or miss_bits[tiny-549]))")
 
 
+@pytest.mark.slow
 def test_exactness_tests_pass_on_the_forced_portable_build():
     if not cpu.available():
         pytest.skip("no C compiler: the torch path runs")

@@ -59,6 +59,7 @@ def _pool_with_history(m, g):
     return pool
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("moe", [False, True])
 def test_wired_prefill_matches_torch_path(moe):
     """Two rows in one forward: slot 1 from empty, 150 tokens (two GDN chunks and a tail of 22); slot 0 after its
@@ -111,6 +112,7 @@ def _one_forward_vs_grid_blocks(m, ids: list[int], grid: int, monkeypatch) -> No
         assert torch.equal(a, b), "pool state: one forward vs grid blocks"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tail,dtype", [(19, "float32"), (1, "float32"), (30, "bfloat16")])
 def test_grid_invariance_one_forward_vs_grid_blocks(tail, dtype, monkeypatch):
     """Two grid blocks and a tail (one token too: a one-token block runs the same kernels)."""
@@ -128,6 +130,7 @@ def test_grid_invariance_at_the_serving_grid(monkeypatch):
     _one_forward_vs_grid_blocks(m, ids, PREFILL_GRID, monkeypatch)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_block_bits_alone_or_packed(dtype):
     """A grid block's logits and states are bitwise the same in a forward of its own or packed with another row

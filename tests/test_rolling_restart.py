@@ -198,6 +198,7 @@ def stream(url: str, i: int, client: httpx.Client, on_first: threading.Event | N
     return s
 
 
+@pytest.mark.slow
 def test_rolling_restart_behind_haproxy_drops_nothing():
     tmp = Path(tempfile.mkdtemp(prefix="nextn-rolling-"))
     a, b = Replica("a", free_port(), tmp), Replica("b", free_port(), tmp)

@@ -73,3 +73,17 @@ def make_vl_checkpoint(out_dir: str | Path, *, moe: bool = False, seed: int = 0,
     (out / "config.json").write_text(json.dumps(raw, indent=2))
     (out / "preprocessor_config.json").write_text(json.dumps(preprocessor_config(min_pixels, max_pixels), indent=2))
     return out
+
+
+def shard(model_dir: str | Path) -> Path:
+    """Rewrite model_dir's model.safetensors as two shards + model.safetensors.index.json, the vision tensors split
+    across both."""
+    model_dir = Path(model_dir)
+    sd = load_file(str(model_dir / "model.safetensors"))
+    keys = sorted(sd)
+    weight_map = {k: f"model-0000{1 + i % 2}-of-00002.safetensors" for i, k in enumerate(keys)}
+    for fname in sorted(set(weight_map.values())):
+        save_file({k: sd[k] for k in keys if weight_map[k] == fname}, str(model_dir / fname), metadata={"format": "pt"})
+    (model_dir / "model.safetensors").unlink()
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return model_dir

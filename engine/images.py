@@ -98,7 +98,8 @@ class ImageConfig:
         pp_path = model_dir / "preprocessor_config.json"
         pp = json.loads(pp_path.read_text()) if pp_path.is_file() else None
         if pp is None:
-            log.warning("%s has no preprocessor_config.json: Qwen3.5's image preprocessing defaults are used", model_dir)
+            log.warning("%s has no preprocessor_config.json: Qwen3.5's image preprocessing defaults are used",
+                        model_dir)
             pp = {"patch_size": vc.get("patch_size", cls.patch_size), "merge_size": vc.get("spatial_merge_size", 2),
                   "temporal_patch_size": vc.get("temporal_patch_size", cls.temporal_patch_size)}
         size = pp.get("size") or {}

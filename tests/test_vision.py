@@ -99,7 +99,8 @@ def test_pixel_overrides_and_qwen35_defaults(vl, hf_processor):
                                     patch_size=16, image_mean=[0.5] * 3, image_std=[0.5] * 3)
     ref = real(images=[im], return_tensors="pt")
     ours = images.preprocess(im, q35)
-    assert torch.equal(ours.pixel_rows, ref["pixel_values"]) and ours.grid_thw == tuple(ref["image_grid_thw"][0].tolist())
+    assert torch.equal(ours.pixel_rows, ref["pixel_values"])
+    assert ours.grid_thw == tuple(ref["image_grid_thw"][0].tolist())
     assert images.smart_resize(1024, 1024) == (1024, 1024) and images.image_tokens((1, 64, 64)) == 1024
     with pytest.raises(images.ImageError, match="aspect ratio"):
         images.preprocess(_noise(2, 500), cfg)

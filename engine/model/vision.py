@@ -111,7 +111,8 @@ class VisionConfig:
         if cfg.hidden_act not in _ACTS:
             raise ConfigError(f"vision_config field 'hidden_act' {cfg.hidden_act!r} is not supported ({sorted(_ACTS)})")
         if cfg.hidden_size % cfg.num_heads or cfg.head_dim % 4:
-            raise ConfigError(f"vision hidden_size {cfg.hidden_size} / num_heads {cfg.num_heads} must be a multiple of 4")
+            raise ConfigError(f"vision head_dim (hidden_size {cfg.hidden_size} / num_heads {cfg.num_heads}) must be a "
+                              "multiple of 4")
         if cfg.grid_side ** 2 != cfg.num_position_embeddings:
             raise ConfigError(f"vision num_position_embeddings {cfg.num_position_embeddings} is not a square")
         if rope.get("rope_type", "axial") != "axial":
@@ -249,9 +250,9 @@ class VisionTower(nn.Module):
 
     def _rope(self, coords: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Axial rotary tables for patch (row, col) coords [N, 2]: cos, sin [N, head_dim] fp32."""
-        half = self.config.head_dim // 2
+        half = self.config.head_dim // 2  # inv_freq is computed on the CPU, as transformers does
         inv_freq = 1.0 / (self.config.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float) / half))
-        freqs = coords.float()[..., None] * inv_freq  # [N, 2, head_dim / 4]
+        freqs = coords.float()[..., None] * inv_freq.to(coords.device)  # [N, 2, head_dim / 4]
         freqs = freqs.flatten(1)  # [N, head_dim / 2]: row freqs, then column freqs
         emb = torch.cat([freqs, freqs], dim=-1)  # [N, head_dim]
         return emb.cos(), emb.sin()
@@ -263,7 +264,12 @@ class VisionTower(nn.Module):
         tensor or lists) with N = sum t*h*w -> [sum t*h*w / merge**2, out_hidden_size] in the tower's dtype, on its
         device: row j of image i is the embedding of that image's j-th `<|image_pad|>` token. Images never attend
         to each other, so encoding images together or one at a time gives the same rows up to kernel rounding;
-        `split_sizes(grid_thw)` splits the result per image."""
+        `split_sizes(grid_thw)` splits the result per image. ValueError when rows and grid disagree. Runs under
+        inference_mode; `forward` is the same map with autograd (training)."""
+        return self(pixel_rows, grid_thw)
+
+    def forward(self, pixel_rows: torch.Tensor, grid_thw: torch.Tensor | Sequence[Sequence[int]]) -> torch.Tensor:
+        """`encode` without inference_mode: pixel_rows [N, C*T*P*P], grid_thw [n_images, 3] -> [N / 4, out_hidden]."""
         cfg = self.config
         grids = _grids(grid_thw)
         n = sum(t * h * w for t, h, w in grids)

@@ -4,6 +4,7 @@ positions (`get_rope_index`) and cos/sin (Qwen3_5TextRotaryEmbedding), plus the 
 from __future__ import annotations
 
 import io
+import json
 
 import numpy as np
 import pytest
@@ -34,25 +35,46 @@ def _palette_with_transparency() -> Image.Image:
     return im
 
 
-@pytest.fixture(scope="module", params=["dense", "moe"])
-def vl(request, tmp_path_factory):
-    """(checkpoint dir, transformers' Qwen3_5(Moe)ForConditionalGeneration, our tower, our ImageConfig)."""
+@pytest.fixture(scope="module")
+def load(tmp_path_factory):
+    """kind ("dense" / "moe") -> (checkpoint dir, transformers' Qwen3_5(Moe)ForConditionalGeneration, our tower,
+    our ImageConfig), each built once per module."""
     from transformers import AutoModelForImageTextToText
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    d = make_vl_checkpoint(tmp_path_factory.mktemp(request.param), moe=request.param == "moe",
-                           min_pixels=MIN_PX, max_pixels=MAX_PX)
-    hf, info = AutoModelForImageTextToText.from_pretrained(str(d), dtype=torch.float32, output_loading_info=True)
-    assert not [k for k in info["missing_keys"] if "visual" in k], info["missing_keys"]
-    return d, hf.eval(), VisionTower.from_checkpoint(d), images.ImageConfig.from_checkpoint(d)
+    built = {}
+
+    def get(kind: str):
+        if kind not in built:
+            d = make_vl_checkpoint(tmp_path_factory.mktemp(kind), moe=kind == "moe", seed=2 * (kind == "moe"),
+                                   min_pixels=MIN_PX,
+                                   max_pixels=MAX_PX)
+            hf, info = AutoModelForImageTextToText.from_pretrained(str(d), dtype=torch.float32,
+                                                                   output_loading_info=True)
+            assert not [k for k in info["missing_keys"] if "visual" in k], info["missing_keys"]
+            built[kind] = d, hf.eval(), VisionTower.from_checkpoint(d), images.ImageConfig.from_checkpoint(d)
+        return built[kind]
+
+    return get
+
+
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def vl(request, load):
+    return load(request.param)
 
 
 @pytest.fixture(scope="module")
-def hf_processor(vl):
+def dense(load):
+    """For what does not depend on the text model (preprocessing, positions, loading)."""
+    return load("dense")
+
+
+@pytest.fixture(scope="module")
+def hf_processor(dense):
     from transformers import AutoImageProcessor
 
-    return AutoImageProcessor.from_pretrained(str(vl[0]), backend="pil")
+    return AutoImageProcessor.from_pretrained(str(dense[0]), backend="pil")
 
 
 # (a) preprocessing ---------------------------------------------------------------------------------------------
@@ -69,10 +91,8 @@ PICTURES = {
 
 
 @pytest.mark.parametrize("name", sorted(PICTURES))
-def test_pixel_rows_equal_transformers(vl, hf_processor, name):
-    d, hf, tower, cfg = vl
-    if "moe" in d.name:
-        pytest.skip("the preprocessing does not depend on the text model")
+def test_pixel_rows_equal_transformers(dense, hf_processor, name):
+    d, hf, tower, cfg = dense
     assert type(hf_processor).__name__ == "Qwen2VLImageProcessorPil"  # no torchvision here: the PIL backend
     im = PICTURES[name]()
     ref = hf_processor(images=[im], return_tensors="pt")
@@ -83,10 +103,8 @@ def test_pixel_rows_equal_transformers(vl, hf_processor, name):
     assert torch.equal(ours.pixel_rows, ref["pixel_values"]), name
 
 
-def test_pixel_overrides_and_qwen35_defaults(vl, hf_processor):
-    d, hf, tower, cfg = vl
-    if "moe" in d.name:
-        pytest.skip("the preprocessing does not depend on the text model")
+def test_pixel_overrides_and_qwen35_defaults(dense, hf_processor):
+    d, hf, tower, cfg = dense
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     im = _noise(120, 200, seed=7)
@@ -108,10 +126,8 @@ def test_pixel_overrides_and_qwen35_defaults(vl, hf_processor):
         cfg.with_pixels(min_pixels=10_000, max_pixels=5_000)
 
 
-def test_image_hash_is_of_the_pixels(vl):
-    d, hf, tower, cfg = vl
-    if "moe" in d.name:
-        pytest.skip("the preprocessing does not depend on the text model")
+def test_image_hash_is_of_the_pixels(dense):
+    d, hf, tower, cfg = dense
     im = _noise(100, 120, seed=8)
     png, bmp = io.BytesIO(), io.BytesIO()
     im.save(png, "PNG")
@@ -144,8 +160,8 @@ def test_embeddings_equal_transformers(vl, pictures):
         torch.testing.assert_close(tower.encode(one.pixel_rows, [one.grid_thw]), part, rtol=0, atol=1e-5)
 
 
-def test_encode_checks_its_input(vl):
-    d, hf, tower, cfg = vl
+def test_encode_checks_its_input(dense):
+    d, hf, tower, cfg = dense
     p = images.preprocess(PICTURES["exact_grid"](), cfg)
     with pytest.raises(ValueError, match="do not match"):
         tower.encode(p.pixel_rows[:-1], [p.grid_thw])
@@ -163,10 +179,8 @@ def _prompt(n_images: int) -> list[int]:
 
 
 @pytest.mark.parametrize("pictures", [("odd_aspect",), ("resize_down", "gray"), ()])
-def test_positions_equal_get_rope_index(vl, pictures):
-    d, hf, tower, cfg = vl
-    if "moe" in d.name:
-        pytest.skip("positions do not depend on the text model")
+def test_positions_equal_get_rope_index(dense, pictures):
+    d, hf, tower, cfg = dense
     prepared = [images.preprocess(PICTURES[p](), cfg) for p in pictures]
     ids = images.expand_image_pads(_prompt(len(pictures)), [p.n_tokens for p in prepared], cfg.image_token_id)
     assert ids.count(cfg.image_token_id) == sum(p.n_tokens for p in prepared)
@@ -250,20 +264,23 @@ def test_no_vision_tower_gives_none(tmp_path):
         VisionTower.from_checkpoint(dummy)
 
 
-def test_sharded_and_dtype(vl, tmp_path):
-    d, hf, tower, cfg = vl
-    if "moe" in d.name:
-        pytest.skip("loading does not depend on the text model")
+def test_sharded_and_dtype(dense, tmp_path):
+    d, hf, tower, cfg = dense
     sharded = shard(make_vl_checkpoint(tmp_path / "sharded"))
     t2 = VisionTower.from_checkpoint(sharded)
     ref = dict(tower.state_dict())
     assert all(torch.equal(v, ref[k]) for k, v in t2.state_dict().items()) and len(ref) == len(t2.state_dict())
+    from safetensors.torch import load_file, save_file
+    old_names = make_vl_checkpoint(tmp_path / "old_names")  # Qwen2-VL-era keys: visual.* without model.
+    sd = load_file(str(old_names / "model.safetensors"))
+    save_file({k.removeprefix("model."): v for k, v in sd.items()}, str(old_names / "model.safetensors"))
+    t3 = VisionTower.from_checkpoint(old_names)
+    assert all(torch.equal(v, ref[k]) for k, v in t3.state_dict().items())
     bf = VisionTower.from_checkpoint(d, dtype=torch.bfloat16)
     p = images.preprocess(PICTURES["exact_grid"](), cfg)
     out, out_bf = tower.encode(p.pixel_rows, [p.grid_thw]), bf.encode(p.pixel_rows, [p.grid_thw])
     assert out_bf.dtype == torch.bfloat16 and (out_bf.float() - out).abs().max() < 0.1 * out.abs().max()
     broken = make_vl_checkpoint(tmp_path / "broken")
-    import json
     raw = json.loads((broken / "config.json").read_text())
     raw["vision_config"]["depth"] = 3
     (broken / "config.json").write_text(json.dumps(raw))

@@ -56,15 +56,18 @@ def random_tower(vc: dict, seed: int = 0) -> VisionTower:
 
 
 def make_vl_checkpoint(out_dir: str | Path, *, moe: bool = False, seed: int = 0, vision: bool = True,
-                       min_pixels: int = 256 * 256, max_pixels: int = 4096 * 4096, **text_kw) -> Path:
+                       min_pixels: int = 256 * 256, max_pixels: int = 4096 * 4096, vision_kw: dict | None = None,
+                       **text_kw) -> Path:
     """Write a tiny VL checkpoint dir (dense or MoE): config.json (nested text_config with mrope_section, vision
     ids from IDS), model.safetensors with text + MTP + (vision=True) `model.visual.*` weights, and
-    preprocessor_config.json. vision=False keeps the vision_config but drops the tensors (a text-only export)."""
+    preprocessor_config.json. vision=False keeps the vision_config but drops the tensors (a text-only export);
+    vision_kw overrides vision_config fields (e.g. the 0.8B shape: depth 12, hidden_size 768, num_heads 12,
+    intermediate_size 3072)."""
     out = make_checkpoint(out_dir, seed=seed, moe=moe, layout="vlm", with_tokenizer=False, per_expert=moe,
                           **text_kw)
     raw = json.loads((out / "config.json").read_text())
     raw["text_config"]["rope_parameters"].update(mrope_section=[11, 11, 10], mrope_interleaved=True)
-    vc = vision_config(out_hidden_size=raw["text_config"]["hidden_size"])
+    vc = vision_config(out_hidden_size=raw["text_config"]["hidden_size"], **(vision_kw or {}))
     raw.update(vision_config=vc, **IDS)
     sd = {k: v for k, v in load_file(str(out / "model.safetensors")).items() if not k.startswith("model.visual.")}
     if vision:

@@ -189,6 +189,8 @@ def pixel_rows(image: Image.Image, cfg: ImageConfig) -> tuple[torch.Tensor, tupl
     (1, h, w) in patches). Rows are in 2 x 2 merge-block order (block row, block col, row in block, col in block),
     each flattened (C, T, P, P) with the frame repeated T times."""
     P, m, T = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
+    if image.mode != "RGB":
+        raise ValueError(f"pixel_rows takes an RGB image, got mode {image.mode!r} (see `resize`)")
     if image.width % cfg.factor or image.height % cfg.factor:
         raise ValueError(f"image {image.width}x{image.height} is not resized to multiples of {cfg.factor}")
     x = np.asarray(image).transpose(2, 0, 1)  # [C, H, W] uint8
@@ -207,10 +209,13 @@ def pixel_rows(image: Image.Image, cfg: ImageConfig) -> tuple[torch.Tensor, tupl
 
 
 def image_hash(image: Image.Image) -> str:
-    """Content hash of decoded pixels: sha256 over mode, size and raw bytes (hex). Equal for the same pixels
-    whatever the file format or name; the key of the prefix cache's image blocks and of the encoder cache."""
+    """Content hash of decoded pixels: sha256 over mode, size, palette (if any) and raw bytes (hex). Equal for the
+    same pixels whatever the file format or name; the key of the prefix cache's image blocks and of the encoder
+    cache (`preprocess` hashes the resized RGB picture the tower sees)."""
     h = hashlib.sha256()
     h.update(f"{image.mode}:{image.width}x{image.height}:".encode())
+    if image.mode in ("P", "PA"):
+        h.update(bytes(image.getpalette() or []))
     h.update(image.tobytes())
     return h.hexdigest()
 

@@ -138,6 +138,10 @@ def test_image_hash_is_of_the_pixels(dense):
     assert images.preprocess(other, cfg).hash != a.hash
     assert images.preprocess(im, cfg, max_pixels=64 * 64).hash != a.hash  # other resize, other rows
     assert images.image_hash(im) != images.image_hash(im.convert("L"))
+    p = im.convert("P", palette=Image.Palette.ADAPTIVE, colors=8)
+    q = p.copy()
+    q.putpalette([255 - v for v in p.getpalette()])  # same indices, other colours
+    assert images.image_hash(p) != images.image_hash(q)
 
 
 # (b) embeddings ------------------------------------------------------------------------------------------------

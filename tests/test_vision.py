@@ -290,3 +290,7 @@ def test_sharded_and_dtype(dense, tmp_path):
     (broken / "config.json").write_text(json.dumps(raw))
     with pytest.raises(VisionWeightsError, match="blocks.2"):
         VisionTower.from_checkpoint(broken)
+    raw["vision_config"].update(depth=2, deepstack_visual_indexes=[0])
+    (broken / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match="deepstack"):
+        VisionTower.from_checkpoint(broken)

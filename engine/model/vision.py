@@ -115,6 +115,9 @@ class VisionConfig:
                               "multiple of 4")
         if cfg.grid_side ** 2 != cfg.num_position_embeddings:
             raise ConfigError(f"vision num_position_embeddings {cfg.num_position_embeddings} is not a square")
+        if vc.get("deepstack_visual_indexes"):
+            raise ConfigError(f"vision_config deepstack_visual_indexes {vc['deepstack_visual_indexes']!r}: deepstack "
+                              "(Qwen3-VL) is not supported; Qwen3.5 has none")
         if rope.get("rope_type", "axial") != "axial":
             raise ConfigError(f"vision rope_type {rope.get('rope_type')!r} is not supported (axial only)")
         return cfg

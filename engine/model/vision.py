@@ -212,10 +212,8 @@ class PatchEmbed(nn.Module):
 
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
-        shape = (cfg.hidden_size, cfg.in_channels, cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
-        self.proj = nn.Module()
-        self.proj.weight = nn.Parameter(torch.empty(shape))  # the checkpoint's Conv3d weight [D, C, T, P, P]
-        self.proj.bias = nn.Parameter(torch.zeros(cfg.hidden_size))
+        kernel = (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
+        self.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, kernel, stride=kernel)  # holds weight [D, C, T, P, P]
 
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
         w = self.proj.weight

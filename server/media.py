@@ -219,7 +219,7 @@ async def _bounded(aw: Any, policy: MediaPolicy, n: int) -> Any:
         return await asyncio.wait_for(aw, policy.total_timeout_s)
     except TimeoutError:
         raise MediaError(f"loading {n} image{'s' if n != 1 else ''} took longer than {policy.total_timeout_s:g} s "
-                         "(the server's image threads are busy)") from None
+                         "(fetching, decoding and waiting for the server's image threads together)") from None
 
 
 async def _load(url: str, policy: MediaPolicy, index: int, param: str | None) -> Image.Image:

@@ -234,6 +234,13 @@ def test_truncated_and_unreadable_bytes():
     assert refused("data:image/png;base64,") == "image 1: the image is empty (0 bytes)"
 
 
+def test_truncated_images_never_load_silently(monkeypatch):
+    """Some other code setting Pillow's LOAD_TRUNCATED_IMAGES would make truncated files decode; refuse loudly."""
+    monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", True)
+    with pytest.raises(RuntimeError, match="LOAD_TRUNCATED_IMAGES"):
+        load(_data_url("image/png", TRUNCATED_PNG))
+
+
 def test_bad_data_urls():
     assert "not valid base64" in refused("data:image/png;base64,@@@@not-base64@@@@")
     assert "not valid base64" in refused("data:image/png;base64,iVBORw0KGgo")  # bad padding

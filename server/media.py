@@ -489,7 +489,8 @@ def _sniff(data: bytes) -> str:
 # -- small helpers -------------------------------------------------------------------------------------------------
 
 def _host(name: str) -> str:
-    return name.strip().rstrip(".").lower()
+    """A host name as compared against the allow-list: lower case, no trailing dot, an IPv6 literal unbracketed."""
+    return name.strip().rstrip(".").lower().removeprefix("[").removesuffix("]")
 
 
 def _show(text: str) -> str:

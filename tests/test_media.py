@@ -335,6 +335,7 @@ def test_allowed_domains(server):
     assert load(f"{server}/red.png", MediaPolicy(allowed_media_domains=["127.0.0.1"])).size == (8, 6)
     assert MediaPolicy(allowed_media_domains=["Images.Example.COM."]).allowed_media_domains == ("images.example.com",)
     assert MediaPolicy(allowed_media_domains=[]).allowed_media_domains is None  # empty: any host, as in vLLM
+    assert MediaPolicy(allowed_media_domains=["[::1]"]).allowed_media_domains == ("::1",)
 
 
 # -- file:// --------------------------------------------------------------------------------------------------------

@@ -145,6 +145,28 @@ class PreparedImage(NamedTuple):
     hash: str
 
 
+class ImageInput(NamedTuple):
+    """One prompt image as the server hands it to the engine: the resized RGB picture the tower sees (uint8
+    [H, W, 3], sides multiples of the config's factor: ~3 MB for 1024 x 1024, where its fp32 pixel rows are ~25 MB),
+    its grid (t, h, w) in patches, its n_tokens image pads and its `image_hash`. `input_rows` turns it into the
+    tower's pixel rows, bitwise those `preprocess` gives for the same image and config."""
+
+    rgb: np.ndarray
+    grid_thw: tuple[int, int, int]
+    n_tokens: int
+    hash: str
+
+
+@dataclass
+class VisionStats:
+    """The engine's image counters since start (cumulative): images encoded by the tower, images served from the
+    encoder cache instead, and seconds spent encoding. `metrics/` turns them into Prometheus objects."""
+
+    images_encoded: int = 0
+    encoder_cache_hits: int = 0
+    encoder_seconds: float = 0.0
+
+
 def smart_resize(height: int, width: int, factor: int = 32, min_pixels: int = 256 * 256,
                  max_pixels: int = 4096 * 4096) -> tuple[int, int]:
     """transformers' Qwen2-VL `smart_resize`: (height, width) rounded to multiples of `factor` with the pixel count
@@ -229,6 +251,27 @@ def preprocess(image: Image.Image, cfg: ImageConfig, min_pixels: int | None = No
     resized = resize(image, c)
     rows, grid = pixel_rows(resized, c)
     return PreparedImage(rows, grid, image_tokens(grid, c.merge_size), image_hash(resized))
+
+
+def prepare_input(image: Image.Image, cfg: ImageConfig, min_pixels: int | None = None,
+                  max_pixels: int | None = None) -> ImageInput:
+    """As `preprocess`, but stops at the resized RGB picture (the engine makes the rows: `input_rows`)."""
+    c = cfg.with_pixels(min_pixels, max_pixels)
+    resized = resize(image, c)
+    if resized.mode != "RGB":
+        raise ImageError(f"image mode {resized.mode} after conversion; expected RGB")
+    gh, gw = resized.height // c.patch_size, resized.width // c.patch_size
+    grid = (1, gh, gw)
+    return ImageInput(np.asarray(resized, dtype=np.uint8), grid, image_tokens(grid, c.merge_size),
+                      image_hash(resized))
+
+
+def input_rows(inp: ImageInput, cfg: ImageConfig) -> torch.Tensor:
+    """An `ImageInput`'s pixel rows [t*h*w, C*T*P*P] float32 (`pixel_rows` of its picture)."""
+    rows, grid = pixel_rows(Image.fromarray(inp.rgb, "RGB"), cfg)
+    if tuple(grid) != tuple(inp.grid_thw):
+        raise ValueError(f"image grid {grid} disagrees with the input's {inp.grid_thw}")
+    return rows
 
 
 def image_tokens(grid_thw: Sequence[int], merge_size: int = 2) -> int:

@@ -101,6 +101,9 @@ def test_pixel_rows_equal_transformers(dense, hf_processor, name):
     assert ours.n_tokens == ref["image_grid_thw"][0].prod().item() // 4
     assert ours.pixel_rows.dtype == torch.float32
     assert torch.equal(ours.pixel_rows, ref["pixel_values"]), name
+    inp = images.prepare_input(im, cfg)  # the engine's transport: the resized picture, rows made engine-side
+    assert (inp.grid_thw, inp.n_tokens, inp.hash) == (ours.grid_thw, ours.n_tokens, ours.hash)
+    assert inp.rgb.dtype == np.uint8 and torch.equal(images.input_rows(inp, cfg), ours.pixel_rows), name
 
 
 def test_pixel_overrides_and_qwen35_defaults(dense, hf_processor):

@@ -134,7 +134,7 @@ def test_an_error_the_probe_does_not_confirm_fails_only_its_request(monkeypatch,
 def test_a_session_that_cannot_join_fails_alone(monkeypatch):
     """The prefix cache's lookup (inside `scheduler.add`) raises for one request: it gets a 500 naming the failure,
     its slot comes back, the stream decoding beside it gets what it gets alone, and the worker goes on."""
-    with ServerThread(max_num_seqs=2) as s:
+    with ServerThread(max_num_seqs=2, prefix_cache_gb=0.25) as s:
         url = s.base_url + "/completions"
         body = {"model": s.model, "prompt": [5, 6, 7], "max_tokens": 600, "temperature": 0, "ignore_eos": True}
         alone: list[str] = []

@@ -54,7 +54,8 @@ def _tiny_pool() -> StatePool:
 def test_an_eviction_after_a_restore_leaves_the_sessions_carrier_alone(model, hidden_mode):
     """A one-block cache: B resumes from A's block, then (before B's next forward) another block is inserted, which
     evicts A's block and writes its slab row. B's carrier (and, with the pre-norm hidden as the MTP head's input,
-    the MTP row it feeds) is B's own copy: unchanged, and B's logits and drafts are a cold run's bits."""
+    the MTP row it feeds) is B's own copy: unchanged, and B's logits, drafts and MTP rows are a cold run's bits.
+    (B finishes before its slot could be reused, so its MTP rows are still there to compare.)"""
     V = model.config.vocab_size
     prompt = _prompt(V, G + 20, 3)
     cold = Rows(model, prompt, 12, k=3, hidden_mode=hidden_mode)
@@ -82,6 +83,9 @@ def test_an_eviction_after_a_restore_leaves_the_sessions_carrier_alone(model, hi
     assert b.emitted == cold.emitted and len(b.rows) == len(cold.rows)
     assert all(torch.equal(x, y) for x, y in zip(b.rows, cold.rows)), "logit rows differ from a cold run"
     assert b.telem == cold.telem, "the drafts differ from a cold run's (the MTP carrier changed)"
+    n = cold.scratch.length
+    assert b.scratch.length == n and all(torch.equal(x, y) for x, y in zip(b.scratch.rows(n), cold.scratch.rows(n))), \
+        "the MTP head's rows differ from a cold run's (its carrier changed)"
 
 
 def test_restore_returns_a_copy():

@@ -15,7 +15,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -202,7 +201,7 @@ if __name__ == "__main__":
 '''
 
 
-@pytest.mark.slow  # a whole nextn serve with its engine process (~10 s)
+@pytest.mark.slow  # a whole nextn serve with its engine process (~15 s)
 def test_nextn_serve_exits_non_zero_when_its_device_is_lost(tmp_path):
     script = tmp_path / "serve_broken.py"
     script.write_text(SERVE_BROKEN.format(mark=MARK, illegal=ILLEGAL))

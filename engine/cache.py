@@ -266,20 +266,23 @@ def block_keys(tokens: list[int], n: int, root: bytes, prev: list[bytes] | None 
 @dataclass
 class PrefixCacheStats:
     """The prefix cache's counters (prompt tokens looked up and found, since start: vLLM's semantics) and its
-    size now (blocks and bytes held, the byte budget)."""
+    size now: `blocks` indexed and their `bytes`, `resident_bytes` of the slabs allocated so far (indexed, reserved
+    and free blocks: the memory the cache takes, which it keeps until exit), the byte budget."""
 
     queries: int = 0
     hits: int = 0
     blocks: int = 0
     bytes: int = 0
     capacity_bytes: int = 0
+    resident_bytes: int = 0
 
 
 @dataclass
 class _Entry:
     bid: int  # arena block id
     parent: bytes | None  # the previous block's key (None: the first block)
-    tokens: tuple[int, ...]  # this block's token ids (checked on every hit: a hash collision never returns state)
+    parent_bid: int | None  # the previous block's arena id (a hit follows these links)
+    tokens: tuple[int, ...]  # this block's token ids (compared on every hit)
     children: int = 0  # cached blocks whose parent this is (only leaves are evicted)
 
 
@@ -290,6 +293,13 @@ class PrefixCache:
     K/V rows bG-1 .. B-2 (rows whose next token lies inside the block) and the trunk's pre-norm hidden of position
     B-1 (the carrier of MTP row B-1, whose next token is the resuming prompt's). Resuming copies those into the
     session's pool slot (`restore`); nothing is shared by reference, so a session never holds a block.
+
+    What a key collision can do: a key is a 128-bit hash, and the index holds at most one block per key, so two
+    sequences whose keys collide cannot both be cached (the second is not inserted). It cannot return state computed
+    from other tokens: a block is inserted only under the chain of blocks that the inserting session's own tokens
+    verify (each earlier block's tokens compared, each link checked), and a hit follows the links block id by block
+    id and compares every block's tokens with the query's; so the blocks of a hit, and the state each was computed
+    from, are those of exactly the query's tokens.
 
     Memory: at most `max_bytes`, in slabs of blocks allocated when first needed (host RAM for a CPU pool, device
     memory for a CUDA one). When full, the least recently used block without cached children is evicted (a hit
@@ -338,8 +348,10 @@ class PrefixCache:
             if have < self.capacity:
                 n = min(self.SLAB, self.capacity - have)
                 try:
-                    self._slabs.append(self._slab(n))
+                    slab = self._slab(n)
+                    self._slabs.append(slab)
                     self._free.extend(range(have + n - 1, have - 1, -1))
+                    self.stats.resident_bytes += sum(t.numel() * t.element_size() for t in slab)
                 except (torch.OutOfMemoryError, RuntimeError) as e:  # the device filled up: keep what we have
                     log.warning("prefix cache: no memory for more blocks (%s); it stays at %d blocks", e, have)
                     self.capacity = have
@@ -376,17 +388,26 @@ class PrefixCache:
     def lookup(self, tokens: list[int], keys: list[bytes]) -> list[int]:
         """The arena ids of the longest cached chain of `tokens`' grid blocks (keys: `block_keys` of at least the
         blocks asked about), leaving at least one token to prefill (the prompt's last row gives the first token's
-        logits); touches the chain. The caller counts the query in `stats`."""
+        logits); touches the chain. Each block's tokens equal the query's and its parent link names the block before
+        it in the chain (see the class: what a collision can do). The caller counts the query in `stats`."""
+        n = min(len(keys), (len(tokens) - 1) // PREFILL_GRID)
+        ids = self._chain(tokens, keys, n)
+        self._touch(keys[len(ids) - 1] if ids else None)
+        return ids
+
+    def _chain(self, tokens: list[int], keys: list[bytes], n: int) -> list[int]:
+        """The arena ids of the longest run of blocks 0..n-1 of `tokens` that the index holds, verified: each one's
+        tokens are the query's, its parent's key and block id those of the block before it."""
         G = PREFILL_GRID
-        n = min(len(keys), (len(tokens) - 1) // G)
-        ids, parent = [], None
+        ids: list[int] = []
+        parent: bytes | None = None
         for b in range(n):
             e = self._index.get(keys[b])
-            if e is None or e.parent != parent or e.tokens != tuple(tokens[b * G:(b + 1) * G]):
+            if e is None or e.parent != parent or e.parent_bid != (ids[-1] if ids else None) \
+                    or e.tokens != tuple(tokens[b * G:(b + 1) * G]):
                 break
             ids.append(e.bid)
             parent = keys[b]
-        self._touch(parent)
         return ids
 
     def restore(self, ids: list[int], slot: int, window_slot: int, mtp_slot: int | None,
@@ -413,7 +434,7 @@ class PrefixCache:
                 j = 1 if b == 0 else 0
                 pool.mtp.k[mtp_slot, b * G - 1 + j:(b + 1) * G - 1] = parts[i][j:]
                 pool.mtp.v[mtp_slot, b * G - 1 + j:(b + 1) * G - 1] = parts[i + 1][j:]
-        return self._parts(ids[-1])[-1]
+        return self._parts(ids[-1])[-1].clone()  # [H]
 
     def reserve(self) -> int | None:
         """A block id held outside the index (a block whose GDN state is captured before the rest is ready:
@@ -448,25 +469,25 @@ class PrefixCache:
         them) and whose chain keys are `keys` (at least b+1): K/V rows bG..(b+1)G-1 and (mtp_slot not None) MTP rows
         bG-1..(b+1)G-2 are copied from the pool; the GDN state and carrier come from window slot `window_slot` and
         `pre_last` (the state at (b+1)G is live there now), or were captured into the reserved `bid` already.
-        A block already cached, or whose parent is not (evicted meanwhile), is not inserted; a reserved `bid` is then
-        released. Returns whether the block was inserted."""
+        A block already cached, or whose earlier blocks the index does not hold as `tokens`' own (evicted meanwhile,
+        or a key collision), is not inserted; a reserved `bid` is then released. Returns whether it was inserted."""
         G, pool, key = PREFILL_GRID, self.pool, keys[b]
         parent = keys[b - 1] if b > 0 else None
-        if key in self._index or (parent is not None and parent not in self._index) \
-                or (mtp_slot is None) == self.mtp:
+        if bid is None and (window_slot is None or pre_last is None):
+            raise ValueError("insert: give the live window slot and the carrier, or a captured block id")
+        if key in self._index or len(self._chain(tokens, keys, b)) < b or (mtp_slot is None) == self.mtp:
             if bid is not None:
                 self.release(bid)
             self._touch(key if key in self._index else None)
             return False
         if bid is None:
-            if window_slot is None or pre_last is None:
-                raise ValueError("insert: give the live window slot and the carrier, or a captured block id")
+            assert window_slot is not None and pre_last is not None
             if parent is not None:
                 self._touch(parent)  # not the block evicted to make room
             bid = self._alloc()
             if bid is None:
                 return False
-            if parent is not None and parent not in self._index:  # the room was made by evicting the parent
+            if len(self._chain(tokens, keys, b)) < b:  # the room was made by evicting the parent
                 self._free.append(bid)
                 return False
             self.capture_state(bid, slot, window_slot, pre_last)
@@ -482,7 +503,8 @@ class PrefixCache:
             j = 1 if b == 0 else 0
             parts[i][j:] = pool.mtp.k[mtp_slot, b * G - 1 + j:(b + 1) * G - 1]
             parts[i + 1][j:] = pool.mtp.v[mtp_slot, b * G - 1 + j:(b + 1) * G - 1]
-        self._index[key] = _Entry(bid, parent, tuple(tokens[b * G:(b + 1) * G]))
+        self._index[key] = _Entry(bid, parent, self._index[parent].bid if parent is not None else None,
+                                  tuple(tokens[b * G:(b + 1) * G]))
         if parent is not None:
             self._index[parent].children += 1
         self._touch(key)

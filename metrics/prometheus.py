@@ -29,8 +29,9 @@ Serving metrics: counters ``nextn_prompt_tokens_total``, ``nextn_generation_toke
 ``nextn_inter_token_latency_seconds``, ``nextn_e2e_request_latency_seconds``,
 ``nextn_request_queue_time_seconds``; the prefix cache's counters ``nextn_prefix_cache_queries_total`` and
 ``nextn_prefix_cache_hits_total`` (prompt tokens looked up and found, vLLM's semantics: hit rate =
-``rate(hits) / rate(queries)``) and gauges ``nextn_prefix_cache_bytes``, ``nextn_prefix_cache_blocks``,
-``nextn_prefix_cache_capacity_bytes``; and ``nextn_grammar_compile_seconds`` (nextn's own; vLLM has no
+``rate(hits) / rate(queries)``) and gauges ``nextn_prefix_cache_blocks`` and ``nextn_prefix_cache_bytes`` (the
+blocks its index holds), ``nextn_prefix_cache_resident_bytes`` (the memory it has allocated: indexed, reserved and
+free blocks; it grows up to the budget and is kept), ``nextn_prefix_cache_capacity_bytes``; and ``nextn_grammar_compile_seconds`` (nextn's own; vLLM has no
 such metric; buckets ``GRAMMAR_COMPILE_BUCKETS``: 1 ms .. 30 s on a 1-2.5-5 ladder, because llguidance
 compiles typical JSON schemas in milliseconds while large tool schemas can take seconds, and the
 server caps compilation well below a minute).
@@ -303,12 +304,15 @@ class ServingMetrics:
         # Prefix cache (vLLM's counters, in tokens; nextn's size gauges)
         pc_queries = counter("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.")
         pc_hits = counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
-        pc_bytes = gauge("prefix_cache_bytes", "Bytes the prefix cache's blocks hold now.")
-        pc_blocks = gauge("prefix_cache_blocks", "Grid blocks (256 tokens each) the prefix cache holds now.")
+        pc_bytes = gauge("prefix_cache_bytes", "Bytes of the blocks the prefix cache's index holds now.")
+        pc_blocks = gauge("prefix_cache_blocks", "Grid blocks (256 tokens each) the prefix cache's index holds now.")
+        pc_resident = gauge("prefix_cache_resident_bytes",
+                            "Bytes of memory the prefix cache has allocated (indexed, reserved and free blocks); it "
+                            "grows up to the budget as the cache fills and is kept.")
         pc_capacity = gauge("prefix_cache_capacity_bytes", "The prefix cache's memory budget in bytes (0: off).")
         aliased += [pc_queries, pc_hits]
         self._pc = (pc_queries.labels(*lv), pc_hits.labels(*lv), pc_bytes.labels(*lv), pc_blocks.labels(*lv),
-                    pc_capacity.labels(*lv))
+                    pc_resident.labels(*lv), pc_capacity.labels(*lv))
         self._pc_seen = (0, 0)  # the engine's counters at the last `set_prefix_cache`
 
         self._prompt = prompt.labels(*lv)
@@ -400,11 +404,11 @@ class ServingMetrics:
 
     def set_prefix_cache(self, stats: Any) -> None:
         """The prefix cache's state (an ``engine.cache.PrefixCacheStats``: cumulative ``queries`` / ``hits`` in
-        tokens, ``blocks`` / ``bytes`` / ``capacity_bytes`` now); the counters advance by the increase since the
-        last call."""
+        tokens, ``blocks`` / ``bytes`` / ``resident_bytes`` / ``capacity_bytes`` now); the counters advance by the
+        increase since the last call."""
         q, h = int(stats.queries), int(stats.hits)
         q0, h0 = self._pc_seen
-        queries, hits, nbytes, blocks, capacity = self._pc
+        queries, hits, nbytes, blocks, resident, capacity = self._pc
         with self._lock:
             if q > q0:
                 queries.inc(q - q0)
@@ -413,6 +417,7 @@ class ServingMetrics:
             self._pc_seen = (max(q, q0), max(h, h0))
             nbytes.set(self._nonneg(stats.bytes, "prefix cache bytes"))
             blocks.set(self._nonneg(stats.blocks, "prefix cache blocks"))
+            resident.set(self._nonneg(stats.resident_bytes, "prefix cache resident bytes"))
             capacity.set(self._nonneg(stats.capacity_bytes, "prefix cache capacity"))
 
     def set_pool_usage(self, held: int, slots: int) -> None:

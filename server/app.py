@@ -336,6 +336,9 @@ def _invocations_route() -> dict[str, Any]:
 
 class HealthStatus(BaseModel):
     status: str
+    reason: str | None = Field(None, description="With 503 (not draining): why the server stopped serving, e.g. its "
+                                                 "device failed (the process then exits for its orchestrator to "
+                                                 "restart it)")
     kernels: dict[str, str] | None = Field(
         None, description="CUDA only: each Triton kernel's startup self-check verdict, triton (it runs) or torch (it "
                           "failed and its torch twin runs instead)")
@@ -447,14 +450,17 @@ async def version(raw: Request) -> p.VersionResponse:
     return p.VersionResponse(version=raw.app.version)
 
 
-@ops.get("/health", summary="Liveness: the worker thread is alive", responses=_HEALTH_DOCS)
+@ops.get("/health", summary="Liveness: the worker and its device are alive", responses=_HEALTH_DOCS)
 async def health(raw: Request) -> JSONResponse:
     worker = raw.app.state.worker
-    body: dict[str, Any] = {"status": "ok" if worker.alive else "worker dead"}
+    alive = worker.alive
+    body: dict[str, Any] = {"status": "ok" if alive else "worker dead"}
+    if not alive and worker.failure:  # why: a lost device (the process exits), a failed loop, a dead engine
+        body["reason"] = worker.failure
     kernels = getattr(worker, "kernel_info", None)
     if kernels:  # CUDA: each Triton kernel's startup verdict, "triton" or "torch" (its twin runs instead)
         body["kernels"] = kernels
-    return JSONResponse(body, status_code=200 if worker.alive else 503)
+    return JSONResponse(body, status_code=200 if alive else 503)
 
 
 @ops.get("/ping", summary="SageMaker's health check (vLLM): as /health", responses=_HEALTH_DOCS)
@@ -474,7 +480,10 @@ async def ready(raw: Request) -> JSONResponse:
     if worker.draining:
         return JSONResponse({"status": "draining"}, status_code=503)
     if not worker.alive:
-        return JSONResponse({"status": "worker dead"}, status_code=503)
+        body = {"status": "worker dead"}
+        if worker.failure:
+            body["reason"] = worker.failure
+        return JSONResponse(body, status_code=503)
     return JSONResponse({"status": "ready"})
 
 

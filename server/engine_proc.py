@@ -14,7 +14,11 @@ The parent (`EngineProcess`) has `Worker`'s interface for the serving layer: `su
 `Job.cancel` sends a cancel (both queued to a sender thread, so the event loop never blocks on a full pipe),
 a reader thread turns the child's messages into each job's events on its event
 loop (the same `_Outbox` hand-off). If the child exits (a crash, the OOM killer), every job it held gets an
-error `done` event, /health turns 503 and `submit` refuses: no client waits on a dead engine.
+error `done` event, /health turns 503 and `submit` refuses: no client waits on a dead engine. If the child's
+worker finds its device lost (`server.worker.DeviceLost`), the child fails its jobs, tells the parent ("lost") and
+exits with DEVICE_LOST_EXIT; the parent reports the reason on /health from the first such error it relays, fails
+what is left, and exits with the same status once those requests are answered (`exit_process`): an orchestrator
+restarts the replica.
 """
 from __future__ import annotations
 
@@ -34,7 +38,18 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from server.worker import Drainable, Job, JobEvent, QueueFull, Unavailable, _Outbox
+from server.worker import (
+    DEVICE_LOST_EXIT,
+    DeviceLost,
+    Drainable,
+    Job,
+    JobEvent,
+    QueueFull,
+    Unavailable,
+    _Outbox,
+    exit_process,
+    failure_text,
+)
 
 log = logging.getLogger("nextn.engine")
 
@@ -130,6 +145,15 @@ class _Relay:
             self._events, self._ops = [], []
             with contextlib.suppress(OSError):  # the parent is gone: nobody is listening any more
                 self._conn.send_bytes(msg)  # plain pickle: half the cost of Connection.send's ForkingPickler
+
+    def device_lost(self, err: DeviceLost, _jobs: list[Job]) -> None:
+        """The worker's `on_device_lost` in the engine process: what is buffered, then ("lost", reason) to the
+        parent; then this process exits with DEVICE_LOST_EXIT (the parent ends the server)."""
+        self.flush()
+        with self._lock, contextlib.suppress(OSError):
+            self._conn.send_bytes(pickle.dumps(("lost", str(err)), protocol=pickle.HIGHEST_PROTOCOL))
+        logging.shutdown()
+        os._exit(DEVICE_LOST_EXIT)
 
 
 def _portable(ev: JobEvent) -> JobEvent:
@@ -231,7 +255,8 @@ def _engine_main(setup: EngineSetup, cmds: Connection, out: Connection) -> None:
                         max_num_seqs=setup.max_num_seqs, max_queue=1 << 30,  # the parent bounds the queue
                         max_model_len=setup.max_model_len, max_num_batched_tokens=setup.max_num_batched_tokens,
                         prefix_cache_bytes=setup.prefix_cache_bytes,
-                        session_factory=setup.session_factory or SpecSession, outbox=relay, kernels=setup.kernels)
+                        session_factory=setup.session_factory or SpecSession, outbox=relay, kernels=setup.kernels,
+                        on_device_lost=relay.device_lost)
     except (PoolTooLarge, KernelCheckFailed) as e:
         out.send(("fatal", str(e)))
         return
@@ -312,6 +337,8 @@ class EngineProcess(Drainable):
         self._draining = False
         self._stopping = False
         self._failed = False
+        self._lost: list[Job] | None = None  # the jobs in flight when the engine reported its device lost
+        self._lost_reason = ""
         self._outbox = _Outbox()
         self._outq: queue.SimpleQueue[tuple] = queue.SimpleQueue()  # commands for the sender thread
         self._proc: Any = None
@@ -482,9 +509,15 @@ class EngineProcess(Drainable):
                 log.critical("unreadable message from the engine process; stopping it", exc_info=True)
                 self._kill()
                 break
+            if msg[0] == "lost":
+                self._device_lost(msg[1])
+                continue
             if msg[0] != "out":
                 continue
             _, events, ops = msg
+            lost = next((ev.error for _, ev in events if isinstance(ev.error, DeviceLost)), None)
+            if lost is not None:  # /health says so before the first client hears of it
+                self._device_lost(str(lost))
             for name, args in ops:
                 with contextlib.suppress(Exception):
                     if name == "set_running":
@@ -508,8 +541,25 @@ class EngineProcess(Drainable):
             return
         self._proc.join(1)
         code = self._proc.exitcode
+        if code == DEVICE_LOST_EXIT and self._lost is None:  # it died before it could say why
+            self._device_lost(f"the engine process exited (exit code {code}: device lost)")
+        if self._lost is not None:
+            log.critical("the engine's device is lost (%s); failing every request, then exiting", self._failure)
+            self._fail_all("error", DeviceLost(self._lost_reason))
+            exit_process(self._lost)
+            return
         log.critical("the engine process exited (exit code %s); failing every request", code)
         self._fail_all("error", RuntimeError(f"the engine process exited (exit code {code})"))
+
+    def _device_lost(self, reason: str) -> None:
+        """The engine reported its device lost: /health and /ready say why, `submit` refuses; the jobs in flight now
+        are those the exit waits for."""
+        with self._cv:
+            if self._lost is None:
+                self._lost = list(self._jobs.values())
+                self._lost_reason = reason
+                self._failure = failure_text(DeviceLost(reason))
+            self._failed = True
 
     def _fail_jobs(self, keys: list[int], err: BaseException) -> None:
         """Give these jobs (never sent) their error `done` event."""
@@ -522,6 +572,8 @@ class EngineProcess(Drainable):
         with self._cv:
             if reason == "error":
                 self._failed = True
+                if self._failure is None:
+                    self._failure = failure_text(err) if err is not None else "the engine stopped"
             jobs = list(self._jobs.values())
             self._jobs.clear()
             self._running = 0

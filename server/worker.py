@@ -10,6 +10,13 @@ Prometheus metrics, so the sum of the requests' `usage.spec` equals the counters
 raises fails its own job only; the loop goes on. Sessions that finish or whose job was cancelled leave the
 batch and give their slot back at once. If the loop itself fails, every job gets an error event and /health
 turns 503.
+
+A device that fails for good (a sticky CUDA error: an illegal memory access, an uncorrectable ECC error) would
+otherwise fail every request while /health stays 200. So a failure that looks like the device's (`device_error`)
+makes the worker probe the device (`probe_device`); if the probe fails too, the device is lost (`DeviceLost`):
+every job gets that error, /health and /ready answer 503 naming it, and the process exits with
+`DEVICE_LOST_EXIT` once the failed requests' responses are out (`exit_process`), for its orchestrator to
+replace it. A failure the probe does not confirm (e.g. a failed allocation) fails only the requests it hit.
 """
 from __future__ import annotations
 
@@ -17,11 +24,15 @@ import asyncio
 import collections
 import contextlib
 import logging
+import os
+import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from engine.scheduler import Scheduler
 from engine.selfcheck import startup
@@ -29,6 +40,90 @@ from engine.spec import SpecConstraint, SpecSampling, SpecSession, SpecTelemetry
 from metrics.prometheus import ServingMetrics
 
 log = logging.getLogger("nextn.worker")
+
+
+#: exit status of a serving process whose device failed for good (sysexits' EX_IOERR): its orchestrator restarts it
+DEVICE_LOST_EXIT = 74
+#: after a device loss: the longest the process waits for its failed requests' responses to read their error ...
+DEVICE_LOST_DRAIN_S = 10.0
+#: ... and how long it then goes on answering /health 503 with the reason before it exits
+DEVICE_LOST_LINGER_S = 1.0
+#: what the message of a CUDA failure contains (torch's "CUDA error: ...", Triton's launcher, cuBLAS, cuDNN); an
+#: error with one of these makes the worker probe the device
+DEVICE_ERROR_MARKS = ("CUDA error", "Triton Error [CUDA]", "CUBLAS_STATUS", "cuDNN error", "CUDA driver",
+                      "illegal memory access", "uncorrectable ECC error", "device-side assert",
+                      "unspecified launch failure")
+#: longest failure text /health and /ready show
+MAX_FAILURE_CHARS = 300
+
+
+class DeviceLost(RuntimeError):
+    """The device failed for good: an error that looked like the device's, and a probe of the device that failed
+    too. Every request in flight fails with it, /health and /ready answer 503 naming it, and the serving process
+    exits with DEVICE_LOST_EXIT."""
+
+
+def device_error(err: BaseException) -> bool:
+    """Whether `err` (or an exception it was raised from) is one torch raises when the device failed rather than the
+    request: `torch.AcceleratorError`, or a RuntimeError whose message is a CUDA error's (DEVICE_ERROR_MARKS).
+    Running out of memory (`torch.OutOfMemoryError`) is not: only the request that asked for the memory fails."""
+    e: BaseException | None = err
+    for _ in range(8):  # a bounded walk down the cause chain
+        if e is None or isinstance(e, torch.OutOfMemoryError):
+            return False
+        if isinstance(e, torch.AcceleratorError) or \
+                (isinstance(e, RuntimeError) and any(m in str(e) for m in DEVICE_ERROR_MARKS)):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def probe_device(device: torch.device | str) -> str | None:
+    """None when `device` still computes, else why not. On CUDA: a tiny op, a synchronize and a check of its result
+    (a sticky error, which leaves the CUDA context unusable, raises from each of them; a transient one does not).
+    A CPU cannot be lost: None. (Tests stand in for a broken device by replacing this function.)"""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return None
+    try:
+        x = torch.full((4,), 2.0, device=dev)
+        got = float((x * x).sum().item())  # .item() synchronizes with the device
+        torch.cuda.synchronize(dev)
+    except Exception as e:  # noqa: BLE001 - whatever the device says is the answer
+        return f"{type(e).__name__}: {e}"
+    return None if got == 16.0 else f"the device computed 4 x 2 x 2 = {got}"
+
+
+def failure_text(err: BaseException) -> str:
+    """One bounded line naming `err` (what /health shows)."""
+    text = " ".join(f"{type(err).__name__}: {err}".split())
+    return text if len(text) <= MAX_FAILURE_CHARS else text[:MAX_FAILURE_CHARS - 3] + "..."
+
+
+def exit_process(jobs: Sequence[Job], status: int = DEVICE_LOST_EXIT) -> None:
+    """End this process with `status` once `jobs` (each given its error `done` event already) have been answered:
+    their events delivered to their event loops and read by their responses (at most DEVICE_LOST_DRAIN_S), then
+    DEVICE_LOST_LINGER_S in which /health goes on answering 503. Returns at once: a daemon thread waits, flushes the
+    logs and calls `os._exit` (an interpreter shutdown could wait forever on a wedged device or a stuck thread)."""
+
+    def wait_and_exit() -> None:
+        deadline = time.monotonic() + DEVICE_LOST_DRAIN_S
+        for loop in {job.loop for job in jobs}:  # the loop ran every hand-off scheduled before this marker
+            delivered = threading.Event()
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening any more
+                loop.call_soon_threadsafe(delivered.set)
+                delivered.wait(max(0.0, deadline - time.monotonic()))
+        while any(not job.events.empty() for job in jobs) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(DEVICE_LOST_LINGER_S)
+        log.critical("exiting with status %d (device lost)", status)
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(status)
+
+    threading.Thread(target=wait_and_exit, name="nextn-exit", daemon=True).start()
 
 
 class QueueFull(Exception):
@@ -171,6 +266,7 @@ class Drainable:
 
     _cv: threading.Condition
     _draining: bool
+    _failure: str | None = None
 
     def submit_many(self, requests: Sequence[Sequence[Job]]) -> list[Exception | None]:
         raise NotImplementedError
@@ -185,6 +281,12 @@ class Drainable:
     def draining(self) -> bool:
         return self._draining
 
+    @property
+    def failure(self) -> str | None:
+        """Why the worker stopped serving (a lost device, a failed loop, a dead engine process); None while it
+        serves."""
+        return self._failure
+
     def begin_drain(self) -> None:
         """Stop admitting new submissions; queued and active jobs still run to completion."""
         with self._cv:
@@ -197,13 +299,16 @@ class Worker(Drainable):
 
     `session_factory` builds a session with `SpecSession`'s signature (tests subclass it to inject failures).
     `kernels` ("auto" | "strict"): the startup self-check's mode (`engine.selfcheck.startup`); strict raises
-    `KernelCheckFailed` from here.
+    `KernelCheckFailed` from here. `on_device_lost(err, jobs)` runs on the worker thread once the device is lost
+    and every job has its error event (`jobs`: those it failed); None: `exit_process(jobs)`, the serving
+    contract (the engine process passes its own, which tells the server first).
     """
 
     def __init__(self, model: Any, metrics: ServingMetrics, *, k: int, p_min: float, capmax: int,
                  max_num_seqs: int, max_queue: int, max_model_len: int, max_num_batched_tokens: int,
                  prefix_cache_bytes: int | None = 0, session_factory: SessionFactory = SpecSession,
-                 outbox: Any = None, kernels: str = "auto") -> None:
+                 outbox: Any = None, kernels: str = "auto",
+                 on_device_lost: Callable[[DeviceLost, list[Job]], Any] | None = None) -> None:
         self.model = model
         self.metrics = metrics
         self.k, self.p_min, self.capmax = k, p_min, capmax
@@ -228,6 +333,7 @@ class Worker(Drainable):
         self._busy = False  # the worker holds jobs outside the two queues (admitting or stepping)
         self._limbo: list[Job] = []  # jobs taken off the queues and not yet placed (failed with the loop)
         self._failed = False  # the loop died: /health and /ready report it, submit refuses
+        self._on_device_lost = on_device_lost
         # a step's events reach the event loop in one hand-off (the engine process passes its pipe relay)
         self._outbox = _Outbox() if outbox is None else outbox
         self._thread = threading.Thread(target=self._run, name="nextn-worker", daemon=True)
@@ -297,6 +403,13 @@ class Worker(Drainable):
     def _run(self) -> None:
         try:
             self._loop()
+        except DeviceLost as e:
+            log.critical("%s; failing every request, then exiting", e, exc_info=True)
+            jobs = self._fail_all(e)
+            if self._on_device_lost is not None:
+                self._on_device_lost(e, jobs)
+            else:
+                exit_process(jobs)
         except BaseException as e:  # noqa: BLE001 - the loop itself failed: nobody may be left waiting
             log.critical("the worker loop failed; failing every request", exc_info=True)
             self._fail_all(e)
@@ -345,10 +458,13 @@ class Worker(Drainable):
             self._finish(self._waiting.popleft(), "abort")
         self._outbox.flush()
 
-    def _fail_all(self, err: BaseException) -> None:
-        """The loop died: refuse new work and give every job it held or queued an error `done` event."""
+    def _fail_all(self, err: BaseException) -> list[Job]:
+        """The loop died: refuse new work and give every job it held or queued an error `done` event (a lost device's
+        `DeviceLost` itself, else a RuntimeError naming the failure); returns the jobs it failed."""
         with self._cv:
             self._failed = True
+            self._failure = failure_text(err) if isinstance(err, DeviceLost) else \
+                f"the worker loop failed: {failure_text(err)}"
             jobs = [a.job for a in self._active.values()] + list(self._limbo) + list(self._waiting)
             sessions = [a.sess for a in self._active.values()]
             self._active.clear()
@@ -359,35 +475,69 @@ class Worker(Drainable):
         for sess in sessions:
             with contextlib.suppress(Exception):
                 sess.close()
-        failure = RuntimeError(f"the worker failed: {type(err).__name__}")
-        for job in jobs:
-            if not job.done:  # the event first: metrics may be what failed
-                job.publish(job.end("error", failure))
+        failure = err if isinstance(err, DeviceLost) else RuntimeError(f"the worker failed: {type(err).__name__}")
+        failed = [job for job in jobs if not job.done]
+        for job in failed:  # the event first: metrics may be what failed
+            job.publish(job.end("error", failure))
         with contextlib.suppress(Exception):
             self.metrics.set_running(0)
             self.metrics.set_waiting(0)
             self.metrics.set_pool_usage(0, self.max_num_seqs)
+        return failed
+
+    def _check_device(self, errors: Iterable[BaseException]) -> None:
+        """After failures: when one looks like the device's (`device_error`), probe the device (`probe_device`); raise
+        `DeviceLost` when the probe fails too (the loop's guard then fails every job and ends the process)."""
+        suspect = next((e for e in errors if device_error(e)), None)
+        if suspect is None:
+            return
+        why = probe_device(self.scheduler.pool.device)
+        if why is None:
+            log.warning("a device error (%s) did not persist: the device passes its probe; only the requests it hit "
+                        "failed", failure_text(suspect))
+            return
+        after = failure_text(suspect)
+        raise DeviceLost(f"the device failed: {why}" + ("" if why == after else f" (after {after})")) from suspect
 
     def _admit(self, job: Job) -> _Active | None:
-        """Start a session for `job` on a free pool slot; None when it failed to start (the job is then finished)."""
+        """Start a session for `job` on a free pool slot and add it to the batch (its prefix-cache lookup and resume);
+        None when either failed: the job is then finished with that error, the session's slot and reservations
+        released, and every other job goes on."""
         self.metrics.observe_queue_time(time.monotonic() - job.arrival)
+        sess: SpecSession | None = None
         try:
             sess = self.session_factory(self.model, job.prompt_ids, job.max_new_tokens, k=self.k,
                                         sampling=job.sampling, constraint=job.constraint, eos_ids=list(job.eos_ids),
                                         p_min=self.p_min, capmax=self.capmax, logprobs=job.logprobs,
                                         pool=self.scheduler.pool, prompt_logprobs=job.prompt_logprobs)
+            self.scheduler.add(sess)
         except Exception as e:  # noqa: BLE001 - a bad session fails its own request only
-            log.exception("creating a session failed")
+            log.exception("creating a session failed" if sess is None else "a session could not join the batch")
+            if sess is not None:
+                self._release(sess)
+            self._check_device([e])
             self._finish(job, "error", error=e)
             return None
-        self.scheduler.add(sess)
         return _Active(job, sess)
+
+    def _release(self, sess: SpecSession) -> None:
+        """Take a session that failed to join out of the scheduler: its prefix-cache reservations and its slot."""
+        try:
+            self.scheduler.remove(sess)
+        except Exception:  # noqa: BLE001 - at least give the slot back
+            log.exception("removing a session that failed to join failed")
+            with contextlib.suppress(Exception):
+                sess.close()
 
     def _step(self) -> None:
         """One scheduler step; publish every session's new tokens (one emission = one inter-token-latency
         sample, vLLM's per-step semantics) and retire the sessions that left."""
         t0 = time.monotonic()
-        res = self.scheduler.step()
+        try:
+            res = self.scheduler.step()
+        except Exception as e:
+            self._check_device([e])  # DeviceLost, or the step's own failure: both end the loop
+            raise
         t1 = time.monotonic()
         out: list[tuple[Job, JobEvent]] = []  # this step's events, handed to the event loop at once
         step_telem = SpecTelemetry()  # the step's deltas, summed: one metrics update per step
@@ -418,6 +568,11 @@ class Worker(Drainable):
         if pc is not None and pc != self._pc_seen:
             self._pc_seen = pc
             self.metrics.set_prefix_cache(pc)
+        errors = [s.error for s in res.finished if s.error is not None and s in self._active]
+        if any(map(device_error, errors)):
+            self._outbox.send(out)  # the tokens the step did emit, before any error event
+            out = []
+            self._check_device(errors)  # a lost device raises: every job, these too, fails with DeviceLost
         for sess in res.finished:
             a = self._active.get(sess)
             if a is None:

@@ -371,6 +371,7 @@ def test_compat_vllm_exposes_equal_values_under_both_names():
     for (name, labels), v in s.items():
         base = name[len("nextn_"):]
         nextn_only = any(x in name for x in ("drafted_tokens_per_pos", "grammar_compile", "prefix_cache_bytes",
+                                             "prefix_cache_resident_bytes",
                                              "prefix_cache_blocks", "prefix_cache_capacity"))
         if not name.startswith("nextn_") or name.endswith("_created") or nextn_only:
             continue

@@ -21,6 +21,7 @@ import fnmatch
 import json
 import logging
 import re
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,13 +90,17 @@ def _download(repo_id: str, *, revision: str | None, download_dir: str | Path | 
     log.info("hub: %s from %s into %s; token: %s; %s (huggingface_hub reads HF_ENDPOINT, HF_HUB_CACHE, HF_TOKEN, "
              "HF_HUB_OFFLINE)", where, endpoint, cache, "yes" if has_token else "none",
              "offline: the cache only" if offline else "online")
+    if not sys.stderr.isatty():  # bars on a terminal only; a log (a container's, a pipe) gets the lines above
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
     kw = dict(revision=revision, cache_dir=str(cache), endpoint=endpoint, token=token, local_files_only=offline)
     try:
         first = Path(snapshot_download(repo_id, allow_patterns=["config.json"], **kw))
-        _check_config(repo_id, first / "config.json")
         files = _cached_tree(repo_id, revision, cache)
         if files is not None:
             _check_files(repo_id, files, offline)
+        _check_config(repo_id, first / "config.json")
         start = time.monotonic()
         snapshot = Path(snapshot_download(repo_id, allow_patterns=list(ALLOW_PATTERNS), **kw))
     except HubError:
@@ -111,11 +116,11 @@ def _download(repo_id: str, *, revision: str | None, download_dir: str | Path | 
 def _cached_tree(repo_id: str, revision: str | None, cache: Path) -> dict[str, int] | None:
     """The repo's files and sizes from the listing huggingface_hub cached while fetching config.json (no network);
     None when it has none (offline, from an older cache)."""
-    from huggingface_hub import get_cached_repo_tree
+    try:  # huggingface_hub >= 2 caches the listing; older ones do not (then the snapshot check below still runs)
+        from huggingface_hub import get_cached_repo_tree
 
-    try:
         return {f.path: f.size or 0 for f in get_cached_repo_tree(repo_id, revision=revision, cache_dir=str(cache))}
-    except Exception:  # noqa: BLE001 - no listing cached: the snapshot check below still runs
+    except Exception:  # noqa: BLE001 - no listing cached
         return None
 
 
@@ -143,6 +148,9 @@ def _check_config(repo_id: str, path: Path) -> None:
     from engine.loader import CheckpointError, quantization
     from engine.model.config import SUPPORTED_MODEL_TYPES
 
+    if not path.is_file():
+        raise HubError(f"{repo_id} has no config.json; nextn serves Hugging Face checkpoints (config.json, "
+                       f"safetensors weights, tokenizer.json) of Qwen3.5 models")
     try:
         raw = json.loads(path.read_text())
     except (OSError, ValueError) as e:
@@ -170,8 +178,11 @@ def _explain(e: Exception, repo_id: str, revision: str | None, endpoint: str, ca
              has_token: bool) -> str:
     """One line for a huggingface_hub failure: what happened and what to do."""
     where = repo_id + (f" (revision {revision})" if revision else "")
-    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, IncompleteSnapshotError,
-                                        LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError)
+    from huggingface_hub import errors
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
+
+    incomplete = getattr(errors, "IncompleteSnapshotError", ())  # huggingface_hub >= 2
 
     page = f"{endpoint}/{repo_id}"
     if isinstance(e, GatedRepoError):
@@ -185,7 +196,7 @@ def _explain(e: Exception, repo_id: str, revision: str | None, endpoint: str, ca
         private = "" if has_token else f"; a private repo needs a token: {_LOGIN}"
         return (f"{repo_id} is neither a local directory nor a model on {endpoint}: check the id (ORG/NAME, as on "
                 f"its page){private}")
-    if isinstance(e, IncompleteSnapshotError):
+    if incomplete and isinstance(e, incomplete):
         return (f"the cached copy of {where} in {cache} is incomplete (an interrupted download?): run once with "
                 f"network access to finish it")
     if isinstance(e, LocalEntryNotFoundError):

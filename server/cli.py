@@ -122,6 +122,9 @@ def serve(args: argparse.Namespace) -> int:
         return _fail(2, str(e))
 
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if settings.log_level == "info":  # huggingface_hub's HTTP client logs every request at info; its bars show them
+        for name in ("httpx", "httpx2"):
+            logging.getLogger(name).setLevel(logging.WARNING)
     from engine.gen_defaults import GenerationConfigError, load_generation_defaults
     from engine.hub import HubError, resolve_model
 

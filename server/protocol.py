@@ -80,6 +80,16 @@ def _check_stop(v: Any) -> Any:
     return v
 
 
+def _check_model_name(v: Any) -> str:
+    if not isinstance(v, str):
+        raise ValueError("model must be a string")
+    return v
+
+
+#: A request's `model`: optional as in vLLM (absent: the served model), a string when given (null is a 400).
+ModelName = Annotated[str | None, PlainValidator(_check_model_name), WithJsonSchema({"type": "string"})]
+_MODEL_DOC = "the served model's name or an alias; optional, as in vLLM (absent: the served model)"
+
 #: Strings a lax boolean accepts (vLLM's pydantic models validate laxly, so `"logprobs": "true"` is true there);
 #: every other string is a 400, and so is a number.
 LAX_BOOL_STRINGS = {"true": True, "True": True, "t": True, "yes": True, "y": True, "on": True, "1": True,
@@ -250,8 +260,7 @@ class _SamplingFields(OpenAIBaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
-    model: str | None = Field(None, description="the served model's name or an alias (vLLM: optional, default the "
-                                                "served model)")
+    model: ModelName = Field(None, description=_MODEL_DOC)
     logprobs: LaxBool = Field(False, description='also accepts vLLM\'s lax strings ("true", "false", "1", "0", ...)')
     max_completion_tokens: int | None = None
     max_tokens: int | None = Field(None, description="deprecated alias of max_completion_tokens")
@@ -309,8 +318,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    model: str | None = Field(None, description="the served model's name or an alias (vLLM: optional, default the "
-                                                "served model)")
+    model: ModelName = Field(None, description=_MODEL_DOC)
     prompt: Prompt
     echo: bool = Field(False, description="the text starts with the prompt (and logprobs cover its tokens)")
     logprobs: int | None = Field(None, ge=-1, description="alternatives per token (-1: the whole vocabulary; at most "

@@ -12,6 +12,7 @@ machine and the checkpoint's config; the caller logs every such automatic choice
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import tomllib
@@ -20,6 +21,8 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+
+from engine.hub import is_repo_id  # no torch at import: only a download imports it
 
 log = logging.getLogger("nextn.config")
 
@@ -58,11 +61,21 @@ class ServeSettings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     model_dir: Path = Field(DEMO_MODEL_DIR, validate_default=True,
-                            description="HF checkpoint directory (default: the bundled demo)")
+                            description="HF checkpoint directory, or a Hugging Face hub id ORG/NAME, downloaded into "
+                                        "the hub cache (a path that exists wins) (default: the bundled demo)")
+    revision: str | None = Field(
+        None, min_length=1, description="hub ids: the branch, tag or commit to download (default: main)")
+    download_dir: Path | None = Field(
+        None, description="hub ids: the cache directory to download into and load from (default: huggingface_hub's "
+                          "cache, HF_HUB_CACHE or ~/.cache/huggingface/hub)")
     host: str = Field("127.0.0.1", min_length=1, description="address to bind")
     port: int = Field(8000, ge=1, le=65535, description="TCP port to bind")
     served_model_name: str | None = Field(
-        None, min_length=1, description="model id clients send and /v1/models lists (default: MODEL_DIR's name)")
+        None, min_length=1, description="model id clients send and responses report; on the command line further "
+                                        "names are aliases (vLLM's nargs) (default: the hub id, or MODEL_DIR's name)")
+    served_model_aliases: tuple[str, ...] = Field(
+        (), description="more names clients may send as `model` (responses report served_model_name); on the command "
+                        "line: --served-model-name NAME ALIAS...; in the environment: names separated by spaces")
     num_speculative_tokens: int = Field(
         3, ge=0, le=MAX_SPEC_TOKENS, description="MTP draft tokens per round K (0 = plain decode)")
     spec_draft_p_min: float = Field(
@@ -87,6 +100,14 @@ class ServeSettings(BaseModel):
         DEFAULT_MAX_LOGPROBS, ge=-1, description="vLLM's: most logprobs a request may ask for per token "
                                                  "(top_logprobs, completions logprobs, prompt_logprobs; a request's "
                                                  "-1 means the whole vocabulary); -1 = no bound")
+    generation_config: str = Field(
+        "auto", min_length=1, description="vLLM's: where request defaults for unset temperature, top_p, top_k, min_p, "
+                                          "repetition_penalty and max_tokens (max_new_tokens) come from: auto = the "
+                                          "checkpoint's generation_config.json, vllm = none (the built-in defaults), "
+                                          "or a directory holding a generation_config.json")
+    override_generation_config: dict[str, float] | None = Field(
+        None, description="vLLM's: a JSON object laid over the generation config, e.g. '{\"temperature\": 0.5}' "
+                          "(those six fields only)")
     api_key: SecretStr | None = Field(
         None, min_length=1, description="require `Authorization: Bearer KEY` on every /v1 route (default: no key; "
                                         "never logged)")
@@ -147,9 +168,26 @@ class ServeSettings(BaseModel):
     @field_validator("model_dir")
     @classmethod
     def _model_dir_exists(cls, v: Path) -> Path:
-        if not v.is_dir():
+        if not v.is_dir() and (v.exists() or not is_repo_id(str(v))):
             hint = " (the bundled demo model is missing; pass a checkpoint directory)" if v == DEMO_MODEL_DIR else ""
-            raise ValueError(f"model directory {v} does not exist{hint}")
+            raise ValueError(f"model directory {v} does not exist{hint} (nor is it a hub id ORG/NAME)")
+        return v
+
+    @field_validator("served_model_aliases", mode="before")
+    @classmethod
+    def _split_names(cls, v: Any) -> Any:
+        return tuple(v.split()) if isinstance(v, str) else v
+
+    @field_validator("override_generation_config", mode="before")
+    @classmethod
+    def _parse_json(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            try:
+                v = json.loads(v)
+            except ValueError as e:
+                raise ValueError(f"not valid JSON: {e}") from None
+            if not isinstance(v, dict):
+                raise ValueError("must be a JSON object")
         return v
 
     @model_validator(mode="after")
@@ -297,14 +335,16 @@ def default_max_queue(max_model_len: int, memory: int | None) -> tuple[int, str]
 
 def resolve(settings: ServeSettings, *, cuda_available: bool, max_position_embeddings: int,
             has_mtp: bool, cores: int | None = None, environ: Mapping[str, str] | None = None,
-            memory: Callable[[], int | None] = available_memory) -> tuple[ServeSettings, list[tuple[int, str]]]:
+            memory: Callable[[], int | None] = available_memory,
+            hub_id: str | None = None) -> tuple[ServeSettings, list[tuple[int, str]]]:
     """Replace the automatic values by concrete ones, from the machine and the checkpoint's config.
 
     device auto -> cuda when available, else cpu; dtype auto -> float32 on cpu (on cuda it stays auto:
     the checkpoint's dtype); cpu_threads on cpu -> OMP_NUM_THREADS when set, else `cores` (default: the usable
     cores) minus one, at least 1: the HTTP event loop needs a core, and torch's default of every core makes a
     small model's steps wait on spinning OpenMP threads (bench/RESULTS.md: one client 259-287 tokens/s with 2
-    threads vs 722 with 1 on a 2-core box); served_model_name -> MODEL_DIR's name; max_model_len ->
+    threads vs 722 with 1 on a 2-core box); served_model_name -> `hub_id` (the hub id MODEL_DIR was downloaded
+    from, vLLM's default) or MODEL_DIR's name; max_model_len ->
     min(max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP); max_queue -> `default_max_queue` of the context and
     `memory()` (the available host memory, or None when unknown); cpu_kernel_threads on cpu -> min(2, usable cores)
     (the helper thread works only inside large C kernel calls, when torch's threads are idle; on a 2-core box it
@@ -338,7 +378,10 @@ def resolve(settings: ServeSettings, *, cuda_available: bool, max_position_embed
     if device == "cpu" and settings.cpu_kernel_threads is None:
         choose("cpu_kernel_threads", min(2, n), f"{n} usable core(s)")
     if settings.served_model_name is None:
-        choose("served_model_name", settings.model_dir.resolve().name, "model directory name")
+        if hub_id is not None:
+            choose("served_model_name", hub_id, "the hub id, as vLLM names it")
+        else:
+            choose("served_model_name", settings.model_dir.resolve().name, "model directory name")
     if settings.max_model_len is None:
         choose("max_model_len", min(max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP),
                f"min of the checkpoint's {max_position_embeddings} and {DEFAULT_MAX_MODEL_LEN_CAP}")

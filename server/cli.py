@@ -1,8 +1,9 @@
-"""The `nextn` console script: `nextn serve [MODEL_DIR]` plus the engine's and the research subcommands.
+"""The `nextn` console script: `nextn serve [MODEL]` plus the engine's and the research subcommands.
 
-`serve` merges its settings (config.settings: CLI > NEXTN_* env > TOML > defaults), loads the model
+`serve` merges its settings (config.settings: CLI > NEXTN_* env > TOML > defaults), resolves MODEL (a
+checkpoint directory, or a hub id ORG/NAME downloaded into the hub cache: engine/hub.py), loads the model
 with a progress bar, starts the device worker and runs uvicorn. A bad setting or an unloadable model
-exits with status 2 (settings) or 1 (model) and one line on stderr. SIGTERM drains: /ready and new
+exits with status 2 (settings, generation config) or 1 (model, hub) and one line on stderr. SIGTERM drains: /ready and new
 requests get 503, admitted requests finish, then the process exits 0. SIGINT is uvicorn's own (stop
 listening, wait for open responses; a second SIGINT forces the exit).
 
@@ -61,12 +62,17 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         default = "" if f.default is None else f"; default {f.default}"
         help_ = f"{f.description} [env {env_var(name)}{default}]"
         if name == "model_dir":
-            sp.add_argument("model_dir", nargs="?", metavar="MODEL_DIR", default=argparse.SUPPRESS, help=help_)
+            sp.add_argument("model_dir", nargs="?", metavar="MODEL", default=argparse.SUPPRESS, help=help_)
+        elif name == "served_model_aliases":  # the further names of --served-model-name
+            continue
+        elif name == "served_model_name":  # vLLM's nargs: the first name is reported, every name is accepted
+            sp.add_argument(flag(name), dest=name, metavar="NAME", nargs="+", default=argparse.SUPPRESS, help=help_)
         elif f.annotation is bool:
             sp.add_argument(flag(name), dest=name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                             help=help_)
         else:
-            metavar = "SECONDS" if name.startswith("timeout_") else name.split("_")[-1].upper()
+            metavar = {"generation_config": "auto|vllm|DIR", "override_generation_config": "JSON"}.get(
+                name, "SECONDS" if name.startswith("timeout_") else name.split("_")[-1].upper())
             sp.add_argument(flag(name), dest=name, metavar=metavar, default=argparse.SUPPRESS, help=help_)
     sp.add_argument("--config", metavar="FILE", default=None,
                     help=f"TOML settings file [env NEXTN_CONFIG; default {DEFAULT_CONFIG_FILE}]")
@@ -102,6 +108,9 @@ def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str] | No
     """The serve settings for parsed `args` (only flags actually given override env/file/defaults).
     Raises `SettingsError`."""
     cli = {k: v for k, v in vars(args).items() if k in ServeSettings.model_fields}
+    if isinstance(cli.get("served_model_name"), list):  # --served-model-name NAME [ALIAS ...]: the whole list
+        names = cli.pop("served_model_name")
+        cli["served_model_name"], cli["served_model_aliases"] = names[0], tuple(names[1:])
     return load_settings(cli, config_file=Path(args.config) if args.config else None, environ=environ)
 
 
@@ -110,6 +119,24 @@ def serve(args: argparse.Namespace) -> int:
     try:
         settings = settings_from_args(args)
     except SettingsError as e:
+        return _fail(2, str(e))
+
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if settings.log_level == "info":  # huggingface_hub's HTTP client logs every request at info; its bars show them
+        for name in ("httpx", "httpx2"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+    from engine.gen_defaults import GenerationConfigError, load_generation_defaults
+    from engine.hub import HubError, resolve_model
+
+    try:  # a hub id: downloaded (or found in the cache) before anything heavy starts
+        source = resolve_model(settings.model_dir, revision=settings.revision, download_dir=settings.download_dir)
+    except HubError as e:
+        return _fail(1, str(e))
+    settings = settings.model_copy(update={"model_dir": source.path})
+    try:
+        defaults = load_generation_defaults(settings.generation_config, settings.model_dir,
+                                            settings.override_generation_config)
+    except GenerationConfigError as e:
         return _fail(2, str(e))
 
     import torch
@@ -121,12 +148,12 @@ def serve(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(settings.model_dir)
         settings, notes = resolve(settings, cuda_available=torch.cuda.is_available(),
-                                  max_position_embeddings=cfg.max_position_embeddings, has_mtp=cfg.has_mtp)
+                                  max_position_embeddings=cfg.max_position_embeddings, has_mtp=cfg.has_mtp,
+                                  hub_id=source.repo_id)
     except SettingsError as e:
         return _fail(2, str(e))
     except (ConfigError, CheckpointError) as e:
         return _fail(1, f"cannot load {settings.model_dir}: {e}")
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for level, note in notes:
         log.log(level, "%s", note)
     from engine.model.ops import cpu
@@ -146,17 +173,21 @@ def serve(args: argparse.Namespace) -> int:
     from server.engine_proc import EngineStartError
 
     try:
-        return run_server(settings, model, tokenizer)
+        return run_server(settings, model, tokenizer, generation_defaults=defaults)
     except (PoolTooLarge, EngineStartError, KernelCheckFailed) as e:
         return _fail(1, str(e))
 
 
-def build_server(settings: ServeSettings, model: Any, tokenizer: Any, **worker_kw: Any) -> NextnServer:
+def build_server(settings: ServeSettings, model: Any, tokenizer: Any, generation_defaults: Any = None,
+                 **worker_kw: Any) -> NextnServer:
     """Wire metrics, worker, serving classes and app for resolved `settings`; the worker is started.
     With settings.engine_process the worker is an `EngineProcess` that loads the model itself (`model` may be
     None; raises `EngineStartError` / its PoolTooLarge line when it cannot start), else an in-process `Worker`
-    over `model`. `worker_kw` is passed to either (tests inject a `session_factory`; a module-level one for the
-    engine process)."""
+    over `model`. `generation_defaults` (an `engine.gen_defaults.GenerationDefaults`; None: loaded from the
+    settings' --generation-config, raising GenerationConfigError) fill unset sampling fields of every request and
+    are logged with their source. `worker_kw` is passed to either (tests inject a `session_factory`; a
+    module-level one for the engine process)."""
+    from engine.gen_defaults import load_generation_defaults
     from engine.loader import load_config
     from metrics.prometheus import ServingMetrics
     from server.app import build_app
@@ -197,9 +228,15 @@ def build_server(settings: ServeSettings, model: Any, tokenizer: Any, **worker_k
     structured = StructuredOutputs(tokenizer, n_vocab=cfg.vocab_size, metrics=metrics,
                                    max_bytes=settings.grammar_max_bytes, timeout_s=settings.grammar_compile_timeout,
                                    cache_size=settings.grammar_cache_size)
+    if generation_defaults is None:
+        generation_defaults = load_generation_defaults(settings.generation_config, settings.model_dir,
+                                                       settings.override_generation_config)
+    log.info("%s", generation_defaults.describe())
     common: dict[str, Any] = dict(tokenizer=tokenizer, worker=worker, model_name=settings.served_model_name,
+                                  model_aliases=settings.served_model_aliases,
                                   max_model_len=settings.max_model_len, vocab_size=cfg.vocab_size, k=k,
-                                  structured=structured, max_logprobs=settings.max_logprobs)
+                                  structured=structured, max_logprobs=settings.max_logprobs,
+                                  generation_defaults=generation_defaults)
     chat = ServingChat(special_tokens_in_content=settings.allow_special_tokens_in_content, **common)
     api_key = settings.api_key.get_secret_value() if settings.api_key is not None else None
     app = build_app(serving_chat=chat, serving_completion=ServingCompletion(**common), worker=worker,
@@ -239,9 +276,9 @@ def arm_research_door(q: float | None, k: int) -> Callable[[], Any] | None:
     return optipipe_gate_stats
 
 
-def run_server(settings: ServeSettings, model: Any, tokenizer: Any) -> int:
+def run_server(settings: ServeSettings, model: Any, tokenizer: Any, generation_defaults: Any = None) -> int:
     """Serve until shut down; returns the exit status (0 after a SIGTERM drain)."""
-    server = build_server(settings, model, tokenizer)
+    server = build_server(settings, model, tokenizer, generation_defaults)
     if settings.log_level == "info":  # uvicorn's startup chatter; our one line replaces it
         logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
     try:

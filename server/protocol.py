@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, PlainValidator, StrictInt, StringConstraints, WithJsonSchema,
-                      model_validator)
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PlainValidator, StrictInt, StringConstraints,
+                      WithJsonSchema, model_validator)
 
 from engine.spec import SpecSampling
 
@@ -78,6 +79,30 @@ def _check_stop(v: Any) -> Any:
         raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters, got {longest}")
     return v
 
+
+def _check_model_name(v: Any) -> str:
+    if not isinstance(v, str):
+        raise ValueError("model must be a string")
+    return v
+
+
+#: A request's `model`: optional as in vLLM (absent: the served model), a string when given (null is a 400).
+ModelName = Annotated[str | None, PlainValidator(_check_model_name), WithJsonSchema({"type": "string"})]
+_MODEL_DOC = "the served model's name or an alias; optional, as in vLLM (absent: the served model)"
+
+#: Strings a lax boolean accepts (vLLM's pydantic models validate laxly, so `"logprobs": "true"` is true there);
+#: every other string is a 400, and so is a number.
+LAX_BOOL_STRINGS = {"true": True, "True": True, "t": True, "yes": True, "y": True, "on": True, "1": True,
+                    "false": False, "False": False, "f": False, "no": False, "n": False, "off": False, "0": False}
+
+
+def _lax_bool(v: Any) -> Any:
+    return LAX_BOOL_STRINGS.get(v, v) if isinstance(v, str) else v
+
+
+#: A boolean that also takes vLLM's lax strings ("true", "false", "1", "0", "yes", ...).
+LaxBool = Annotated[bool, BeforeValidator(_lax_bool), WithJsonSchema({"anyOf": [
+    {"type": "boolean"}, {"type": "string", "enum": list(LAX_BOOL_STRINGS)}]})]
 
 #: A `logit_bias` key: a token id written as a JSON object key (decimal digits; OpenAI's and vLLM's form).
 TokenIdKey = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,10}$")]
@@ -200,10 +225,17 @@ class _SamplingFields(OpenAIBaseModel):
     length_penalty: float = Field(1.0, description="beam search only: 400 unless 1")
     early_stopping: bool = Field(False, description="beam search only: 400 when true")
 
-    def to_sampling(self) -> SpecSampling:
-        """The engine's sampling parameters (temperature 0 is the exact greedy path)."""
-        return SpecSampling(temperature=self.temperature, seed=self.seed, top_k=max(self.top_k, 0),
-                            top_p=self.top_p, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+    def to_sampling(self, defaults: Mapping[str, float | int] | None = None) -> SpecSampling:
+        """The engine's sampling parameters (temperature 0 is the exact greedy path). `defaults` (the checkpoint's
+        generation config, by field name) fill temperature, top_p, top_k, min_p and repetition_penalty where the
+        request left them unset; a value the request gave always wins."""
+        def pick(name: str) -> Any:
+            if defaults is None or name in self.model_fields_set or name not in defaults:
+                return getattr(self, name)
+            return defaults[name]
+
+        return SpecSampling(temperature=pick("temperature"), seed=self.seed, top_k=max(int(pick("top_k")), 0),
+                            top_p=pick("top_p"), min_p=pick("min_p"), repetition_penalty=pick("repetition_penalty"),
                             frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
                             logit_bias=tuple(sorted(self.logit_bias_ids().items())), min_tokens=self.min_tokens)
 
@@ -228,8 +260,8 @@ class _SamplingFields(OpenAIBaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
-    model: str
-    logprobs: bool = False
+    model: ModelName = Field(None, description=_MODEL_DOC)
+    logprobs: LaxBool = Field(False, description='also accepts vLLM\'s lax strings ("true", "false", "1", "0", ...)')
     max_completion_tokens: int | None = None
     max_tokens: int | None = Field(None, description="deprecated alias of max_completion_tokens")
     parallel_tool_calls: bool | None = Field(None, description="false: at most one tool call per choice")
@@ -286,7 +318,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    model: str
+    model: ModelName = Field(None, description=_MODEL_DOC)
     prompt: Prompt
     echo: bool = Field(False, description="the text starts with the prompt (and logprobs cover its tokens)")
     logprobs: int | None = Field(None, ge=-1, description="alternatives per token (-1: the whole vocabulary; at most "
@@ -420,6 +452,9 @@ class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
+    annotations: list[Any] | None = Field(None, description="always null (no web search)")
+    audio: dict[str, Any] | None = Field(None, description="always null (no audio output)")
+    function_call: FunctionCall | None = Field(None, description="always null (deprecated; see tool_calls)")
     tool_calls: list[ToolCall] = Field(default_factory=list)
     reasoning_content: str | None = Field(
         None, exclude_if=_omit_none, description="the text between <think> and </think> (vLLM's name)")
@@ -441,6 +476,9 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    metadata: dict[str, str] | None = Field(None, description="always null (nothing is stored)")
+    moderation: dict[str, Any] | None = Field(None, description="always null")
+    service_tier: str | None = Field(None, description="always null (no tiers)")
     system_fingerprint: str | None = None
     prompt_token_ids: list[int] | None = Field(None, description="vLLM's: the prompt's token ids (return_token_ids; "
                                                                  "else null)")

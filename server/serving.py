@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from config.settings import DEFAULT_MAX_LOGPROBS
+from engine.gen_defaults import GenerationDefaults
 from engine.spec import SpecConstraint, SpecTelemetry, TokenLogprob
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from grammar import GrammarError, GrammarSource, ToolCallDelta, source_from_request
@@ -368,13 +369,18 @@ class OpenAIServing:
 
     def __init__(self, *, tokenizer: Tokenizer, worker: Worker, model_name: str, max_model_len: int,
                  vocab_size: int, k: int, structured: StructuredOutputs | None = None,
-                 max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> None:
+                 max_logprobs: int = DEFAULT_MAX_LOGPROBS, model_aliases: Sequence[str] = (),
+                 generation_defaults: GenerationDefaults | None = None) -> None:
         """`structured`: the grammar compiler (None: requests that need a grammar get 400); `max_logprobs`: the most
-        logprobs a request may ask for per token (vLLM's --max-logprobs; -1: the whole vocabulary)."""
+        logprobs a request may ask for per token (vLLM's --max-logprobs; -1: the whole vocabulary); `model_aliases`:
+        more names a request's `model` may give (responses report `model_name`); `generation_defaults`: the
+        checkpoint's sampling defaults for fields a request leaves unset (None: the built-in ones)."""
         self.tokenizer, self.worker = tokenizer, worker
         #: how jobs reach the worker (`build_app` makes every endpoint of a server share one)
         self.admission = Admission(worker)
         self.model_name, self.max_model_len = model_name, max_model_len
+        self.model_names = frozenset((model_name, *model_aliases))
+        self.defaults = generation_defaults.values() if generation_defaults is not None else {}
         self.vocab_size, self.k = vocab_size, k
         self.structured = structured
         #: Token ids a prompt may name: the tokenizer's (the model's logit rows past it are padding).
@@ -382,7 +388,7 @@ class OpenAIServing:
         self.max_logprobs = vocab_size if max_logprobs == -1 else max_logprobs
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model not in self.model_names:
             raise APIError(404, f"The model `{printable(model, 100)}` does not exist.", param="model",
                            code="model_not_found")
 
@@ -483,6 +489,16 @@ class OpenAIServing:
                                 f"tokens, less the requested max tokens), got {n}", param="truncate_prompt_tokens")
         return ids[:keep] if req.truncation_side == "right" else ids[-keep:]
 
+    def default_max_tokens(self, req: p.ChatCompletionRequest | p.CompletionRequest) -> int | None:
+        """The request's max tokens: its own value, else the generation config's max_new_tokens (a completions
+        request's own default of 16 capped by it, as vLLM takes the smaller), else None (chat: the rest of the
+        context)."""
+        given = {"max_tokens", "max_completion_tokens"} & req.model_fields_set
+        if given or "max_tokens" not in self.defaults:
+            return req.max_new_tokens
+        default = int(self.defaults["max_tokens"])
+        return default if req.max_new_tokens is None else min(req.max_new_tokens, default)
+
     def budget(self, prompt_ids: list[int], requested: int | None, *, param: str, prompt_param: str,
                min_tokens: int = 0) -> _Prepared:
         """Check the prompt against the context; the completion budget is `requested` (the request field
@@ -513,7 +529,7 @@ class OpenAIServing:
         logprobs when `prompt_logprobs` is set. Raises `APIError` 429/503."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[JobEvent] = asyncio.Queue()
-        sampling = req.to_sampling()
+        sampling = req.to_sampling(self.defaults)
         logprobs = self.job_logprobs(req)
         eos = ([] if req.ignore_eos else list(self.tokenizer.eos_token_ids)) + list(req.stop_token_ids or [])
         stops = req.stop_strings()
@@ -624,7 +640,7 @@ class ServingChat(OpenAIServing):
                                                       continue_final_message=req.continue_final_message,
                                                       kwargs=req.chat_template_kwargs,
                                                       reasoning_effort=req.reasoning_effort))
-        prep = self.budget(ids, req.max_new_tokens, prompt_param="messages", min_tokens=req.min_tokens,
+        prep = self.budget(ids, self.default_max_tokens(req), prompt_param="messages", min_tokens=req.min_tokens,
                            param="max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
         prep.grammar = src
         prep.in_reasoning = opens_reasoning(self.tokenizer, prep.prompt_ids)
@@ -824,7 +840,8 @@ class ServingCompletion(OpenAIServing):
         for i, prompt in enumerate(prompts):
             where = "prompt" if len(prompts) == 1 else f"prompt.{i}"
             ids = self.truncate(req, self._prompt_ids(prompt, where))  # type: ignore[arg-type]
-            prep = self.budget(ids, req.max_tokens, param="max_tokens", prompt_param=where, min_tokens=req.min_tokens)
+            prep = self.budget(ids, self.default_max_tokens(req), param="max_tokens", prompt_param=where,
+                               min_tokens=req.min_tokens)
             prep.grammar = src  # completions are raw text: no reasoning phase
             if req.echo:
                 prep.echo = prompt if isinstance(prompt, str) and req.truncate_prompt_tokens is None \

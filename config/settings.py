@@ -49,6 +49,7 @@ QUEUE_MEMORY_SHARE = 8  # 1/8 of the available memory
 DEFAULT_MAX_QUEUE_RANGE = (1024, 16384)
 #: --max-logprobs default: vLLM's (the OpenAI chat API's top_logprobs bound); -1 = no bound (the vocabulary).
 DEFAULT_MAX_LOGPROBS = 20
+FULL_VOCAB_LOGPROB_ENTRIES = 1 << 24  # logprobs -1 (the whole vocabulary): at most this many entries in a response
 
 
 class SettingsError(ValueError):

@@ -401,18 +401,18 @@ async def create_response(raw: Request) -> Response:
     return await _generate(raw, _parser(raw.app.state.serving_responses, p.ResponsesRequest))
 
 
-@v1.get("/models", summary="List the served model", responses=_errors(401, 500))
+@v1.get("/models", summary="List the served model (one card per served name)", responses=_errors(401, 500))
 async def list_models(raw: Request) -> p.ModelList:
     return raw.app.state.model_list
 
 
 @v1.get("/models/{model_id:path}", summary="Retrieve the served model", responses=_errors(401, 404, 500))
 async def retrieve_model(raw: Request, model_id: str) -> p.ModelCard:
-    card: p.ModelCard = raw.app.state.model_list.data[0]
-    if model_id != card.id:
-        raise APIError(404, f"The model `{printable(model_id, 100)}` does not exist.", param="model",
-                       code="model_not_found")
-    return card
+    for card in raw.app.state.model_list.data:
+        if model_id == card.id:
+            return card
+    raise APIError(404, f"The model `{printable(model_id, 100)}` does not exist.", param="model",
+                   code="model_not_found")
 
 
 tokens = APIRouter(dependencies=[Depends(check_api_key)])
@@ -552,9 +552,10 @@ def build_app(*, serving_chat: ServingChat, serving_completion: ServingCompletio
     app.state.api_key = api_key
     app.state.load = ServerLoad()
     app.state.timeout_body = timeout_body
-    app.state.model_list = p.ModelList(data=[p.ModelCard(
-        id=serving_chat.model_name, created=int(time.time()), root=model_root,
-        max_model_len=serving_chat.max_model_len)])
+    created = int(time.time())
+    app.state.model_list = p.ModelList(data=[p.ModelCard(  # one card per served name, as vLLM lists them
+        id=name, created=created, root=model_root, max_model_len=serving_chat.max_model_len)
+        for name in serving_chat.served_names])
     app.include_router(v1)
     app.include_router(tokens)
     app.include_router(ops)

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from config.settings import DEFAULT_MAX_LOGPROBS
+from config.settings import DEFAULT_MAX_LOGPROBS, FULL_VOCAB_LOGPROB_ENTRIES
 from engine.gen_defaults import GenerationDefaults
 from engine.spec import SpecConstraint, SpecTelemetry, TokenLogprob
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -379,7 +379,9 @@ class OpenAIServing:
         #: how jobs reach the worker (`build_app` makes every endpoint of a server share one)
         self.admission = Admission(worker)
         self.model_name, self.max_model_len = model_name, max_model_len
-        self.model_names = frozenset((model_name, *model_aliases))
+        #: every name a request may give, the reported one first (vLLM's --served-model-name NAME ALIAS...)
+        self.served_names = tuple(dict.fromkeys((model_name, *model_aliases)))
+        self.model_names = frozenset(self.served_names)
         self.defaults = generation_defaults.values() if generation_defaults is not None else {}
         self.vocab_size, self.k = vocab_size, k
         self.structured = structured
@@ -435,6 +437,8 @@ class OpenAIServing:
         for name, value, what in ((param, req.num_logprobs, "sample"), ("prompt_logprobs", req.prompt_logprobs,
                                                                          "prompt")):
             n = self.logprob_count(value)
+            if value == -1:  # the whole vocabulary: bounded by the response's size instead (`check_full_vocab`)
+                continue
             if n is not None and n > self.max_logprobs:
                 raise APIError(400, f"{name}: requested {what} logprobs of {n}, which is greater than max allowed: "
                                     f"{self.max_logprobs} (the server's --max-logprobs)", param=name)
@@ -443,6 +447,24 @@ class OpenAIServing:
                 raise APIError(400, f"logprob_token_ids needs {'logprobs: true' if chat else 'logprobs'}",
                                param="logprob_token_ids")
             self.check_ids(req.logprob_token_ids, "logprob_token_ids", model_rows=True)
+
+    def check_full_vocab(self, req: p.ChatCompletionRequest | p.CompletionRequest, preps: list[_Prepared]) -> None:
+        """-1 (vLLM's "the whole vocabulary") is answered whatever --max-logprobs says, as vLLM's own tests ask of a
+        server (test_chat_echo reads len(top_logprobs) == vocab size), but never past FULL_VOCAB_LOGPROB_ENTRIES
+        entries in one response: the prompt's tokens (prompt_logprobs) or max_tokens (logprobs) times the vocabulary,
+        times n. Past it, a 400 that says what would fit, so one request cannot exhaust the server's memory."""
+        param = "top_logprobs" if isinstance(req, p.ChatCompletionRequest) else "logprobs"
+        for name, value, count in ((param, req.num_logprobs, max(pr.max_new_tokens for pr in preps) * req.n),
+                                   ("prompt_logprobs", req.prompt_logprobs, max(len(pr.prompt_ids) for pr in preps))):
+            if value != -1:
+                continue
+            entries = count * self.vocab_size
+            if entries > FULL_VOCAB_LOGPROB_ENTRIES:
+                what = "generated tokens (max_tokens x n)" if name == param else "prompt tokens"
+                raise APIError(400, f"{name}: -1 asks for the whole vocabulary ({self.vocab_size} entries) at each of "
+                                    f"{count} {what}: {entries} entries, more than the {FULL_VOCAB_LOGPROB_ENTRIES} "
+                                    f"one response may carry; ask for fewer tokens or a count up to "
+                                    f"{self.max_logprobs}", param=name)
 
     def logprob_count(self, n: int | None) -> int | None:
         """A request's logprobs count with -1 (vLLM's: the whole vocabulary) resolved."""
@@ -527,6 +549,7 @@ class OpenAIServing:
         """Submit n jobs per prompt: choice index = prompt index * n + i, choice i gets seed + i, `constraint()`
         makes each choice's own grammar state, and the first choice of each prompt computes its prompt
         logprobs when `prompt_logprobs` is set. Raises `APIError` 429/503."""
+        self.check_full_vocab(req, preps)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[JobEvent] = asyncio.Queue()
         sampling = req.to_sampling(self.defaults)

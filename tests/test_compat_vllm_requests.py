@@ -2,9 +2,9 @@
 client or httpx against a real uvicorn on the tiny model:
 
 - test_chat_echo: `"logprobs": "true"` (a string: vLLM's models validate laxly), `top_logprobs: -1` and
-  `prompt_logprobs: -1` (the whole vocabulary). vLLM's rule (vllm/sampling_params.py `_validate_logprobs`): -1
-  counts as the vocabulary size and must not exceed --max-logprobs (default 20; -1 there means the vocabulary);
-  vLLM's own test serves with `--max-logprobs 151936`, its model's vocabulary, and so does the server here.
+  `prompt_logprobs: -1` (the whole vocabulary), answered at the default settings. vLLM bounds -1 by --max-logprobs
+  (its test serves with `--max-logprobs 151936`, Qwen2's vocabulary, which Qwen3.5's 248,320 would exceed); nextn
+  answers -1 whatever --max-logprobs says and bounds the response's size instead (FULL_VOCAB_LOGPROB_ENTRIES).
 - test_basic test_server_load: a completion without `model` (optional in vLLM) is served and counted by /load.
 - test_chat_completion test_invocations: /invocations answers exactly what /v1/chat/completions answers, keys
   included (the SDK's `model_dump()` of the chat response against the raw /invocations JSON).
@@ -34,8 +34,7 @@ def gate() -> threading.Event:
 
 @pytest.fixture(scope="module")
 def srv(gate: threading.Event) -> Iterator[ServerThread]:
-    with ServerThread(worker_kw={"session_factory": gated_sessions(gate)},
-                      max_logprobs=VLLM_TEST_MAX_LOGPROBS) as s:
+    with ServerThread(worker_kw={"session_factory": gated_sessions(gate)}) as s:  # --max-logprobs at its default
         yield s
 
 
@@ -67,15 +66,22 @@ def test_chat_logprobs_is_a_lax_boolean(srv, value, ok):
         assert r.status_code == 200 and (r.json()["choices"][0]["logprobs"] is not None) == ok
 
 
-def test_minus_one_is_bounded_by_max_logprobs_as_vllm_bounds_it():
-    with ServerThread(max_logprobs=20) as s:  # vLLM's default: -1 = the vocabulary, which is more than 20
-        vocab = s.app.state.serving_chat.vocab_size
-        for body, param in (({"prompt_logprobs": -1}, "prompt_logprobs"),
-                            ({"logprobs": "true", "top_logprobs": -1}, "top_logprobs")):
-            r = httpx.post(s.base_url + "/chat/completions", json={"model": s.model, "messages": MSGS, **body})
-            err = r.json()["error"]
-            assert r.status_code == 400 and err["param"] == param
-            assert f"logprobs of {vocab}, which is greater than max allowed: 20" in err["message"]
+def test_minus_one_is_bounded_by_the_response_size(srv, monkeypatch):
+    import server.serving as serving
+    vocab = srv.app.state.serving_chat.vocab_size
+    monkeypatch.setattr(serving, "FULL_VOCAB_LOGPROB_ENTRIES", vocab * 4)  # four positions' worth
+    ok = httpx.post(srv.base_url + "/chat/completions", json={"model": srv.model, "messages": MSGS, "max_tokens": 4,
+                                                              "logprobs": "true", "top_logprobs": -1})
+    assert ok.status_code == 200 and len(ok.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == vocab
+    for body, param in (({"prompt_logprobs": -1, "max_tokens": 1}, "prompt_logprobs"),  # the prompt is > 4 tokens
+                        ({"logprobs": "true", "top_logprobs": -1, "max_tokens": 5}, "top_logprobs")):
+        r = httpx.post(srv.base_url + "/chat/completions", json={"model": srv.model, "messages": MSGS, **body})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == param, r.text
+        assert f"whole vocabulary ({vocab} entries)" in err["message"] and str(vocab * 4) in err["message"]
+    r = httpx.post(srv.base_url + "/chat/completions", json={"model": srv.model, "messages": MSGS, "max_tokens": 1,
+                                                             "logprobs": "true", "top_logprobs": 21})
+    assert r.status_code == 400 and "greater than max allowed: 20" in r.json()["error"]["message"]  # n > 20: vLLM's
 
 
 def test_load_counts_a_request_without_model(srv, gate):

@@ -122,5 +122,7 @@ def test_flags_env_and_startup_log(tmp_path, gen_dir, caplog):
                                                                       served_model_aliases=("alias",)) as srv:
         c = client(srv)
         assert c.completions.create(model="alias", prompt="Hi", max_tokens=1).model == srv.model
+        assert [m.id for m in c.models.list().data] == [srv.model, "alias"]  # vLLM lists every served name
+        assert c.models.retrieve("alias").id == "alias"
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("generation defaults"))
     assert "top_k=1" in line and "top_p=0.9" in line and "max_tokens=6" in line and str(gen_dir) in line

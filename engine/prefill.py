@@ -113,19 +113,20 @@ def prefill_rows(model: Qwen35ForCausalLM, rows: list[SessionState]) -> None:
 
 
 def flush_mtp_rows(model: Qwen35ForCausalLM, rows: list[SessionState]) -> None:
-    """Write every row's queued MTP rows into its scratch in ONE head forward, rows right-padded (the padding's K/V
-    land past each row's scratch length and are overwritten later). Rows of sessions that prefill alone or
+    """Write every row's ready MTP rows (`SessionState.mtp_ready`: a prompt block's last row waits for the next
+    block) into its scratch in ONE head forward, rows right-padded (the padding's K/V land past each row's scratch
+    length and are overwritten later). Rows of sessions that prefill alone or
     finish go through here too (a row's rows are final once their next token is known)."""
-    rows = [r for r in rows if r._mtp_tokens]
+    rows = [r for r in rows if r.mtp_ready]
     if len(rows) <= 1:
         for r in rows:
             r._flush_mtp()
         return
-    toks, hid, n = _queued_mtp_rows(rows)  # [A, Tm], [A, Tm, H]
+    toks, hid, n = _queued_mtp_rows(rows, [r.mtp_ready for r in rows])  # [A, Tm], [A, Tm, H]
     r0, sc = rows[0], [r.scratch for r in rows]
     ctx = FwdCtx.make(model.config, r0.device, r0.dtype, [s.slot for s in sc], [s.length for s in sc],
                       [0] * len(rows), [0] * len(rows), toks.shape[1], False)
     model.mtp_forward(toks, hid, ctx, r0.pool.mtp)  # [A, Tm, H]: only the K/V it writes is used
     for r, k in zip(rows, n):
         r.scratch.set_len(r.scratch.length + k)
-        r._mtp_tokens, r._mtp_hidden = [], None
+        r._mtp_tokens, r._mtp_hidden = r._mtp_tokens[k:], r._mtp_hidden[k:] if k < len(r._mtp_tokens) else None

@@ -36,7 +36,7 @@ from .graphs import EAGER, GraphRunner, StepRunner, graph_buckets, padding_rows
 from .model.ops import cpu
 from .model.ops import dispatch as ops
 from .model.qwen35 import Qwen35ForCausalLM
-from .prefill import flush_mtp_rows, packs_rows, prefill_rows, steps_match_prefill
+from .prefill import flush_mtp_rows, packs_rows, prefill_kernels, prefill_rows, steps_match_prefill
 from .spec import SpecSession, spec_round
 
 log = logging.getLogger("nextn.scheduler")
@@ -125,7 +125,10 @@ class Scheduler:
         self.runner: StepRunner = GraphRunner(model, self.pool, self.buckets, scratch) if graphs else EAGER
         self.running: list[SpecSession] = []
         self.joining: collections.deque[SpecSession] = collections.deque()
-        self.packs = packs_rows(model)  # one prefill forward may carry several sessions' blocks
+        #: one prefill forward may carry several sessions' blocks (on the kernel path, `_forwards` asks again: the
+        #: startup self-check runs after this and may hand a prefill kernel to its twin)
+        self._prefill_kernels = prefill_kernels(model) if ops.use_triton(model.lm_head.weight) else None
+        self.packs = packs_rows(model, self._prefill_kernels)
         if prefix_cache_bytes is None:
             prefix_cache_bytes = int(PREFIX_CACHE_MEMORY_FRACTION * max(0, avail - need))
             if torch.device(device).type == "cpu":
@@ -360,10 +363,12 @@ class Scheduler:
         return out
 
     def _forwards(self, rows: list[SpecSession]) -> list[list[SpecSession]]:
-        """One wave's forwards, in order: one row each unless the model's prefill is row-wise (`packs_rows`); then a
+        """One wave's forwards, in order: one row each unless the model's prefill is row-wise (`packs_rows`, asked again
+        on the kernel path: a kernel that fell back to its twin since ends the packing); then a
         row joins the previous forward while its padded size (rows x longest block) stays within
         max_num_batched_tokens and every row's slot has room for the padding, else it starts the next one."""
-        if not self.packs:
+        if not self.packs or (self._prefill_kernels is not None
+                              and not packs_rows(self.model, self._prefill_kernels)):
             return [[s] for s in rows]
         out: list[list[SpecSession]] = []
         for s in rows:

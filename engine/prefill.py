@@ -10,10 +10,18 @@ split never depends on the token budget, the batch or K. What a block computes m
     (right-padded) and a block's bits are what its row alone computes: `packs_rows` is True. The same kernels run the
     decode and verify steps, so a state reached by decoding is bitwise the state a prefill of the same tokens
     reaches (`steps_match_prefill`): the prefix cache may then keep blocks that generated tokens completed;
-  * elsewhere (the torch path: a GEMM whose rounding follows the row count, SDPA over padded rows; on CUDA, where
-    a block's attention and GDN run the prefill kernels of engine/model/ops (per-row by construction) but the GPU
-    has not yet confirmed the rest row-wise) each forward carries one block of one session,
-    whose shape depends on the block alone, so its bits are the same whatever else runs.
+  * on the kernel path (CUDA with triton) every op of a prefill forward is row-wise too: the GEMMs are the
+    batch-invariant Triton matmul in the "prefill" tiling (`FwdCtx.phase`: chosen by the forward's kind, never by its
+    rows), the norms, gates and activations row-wise kernels, the MoE experts the grouped matmul and the slot-order
+    combine, attention the prefill kernel over each row's own keys (per-row slot and pos0), the GDN recurrence the
+    chunked kernel from each row's first token (per-row slot, read and write window slots, and real length: the
+    padding leaves the state alone), the conv an explicit per-token tap sum. So the next blocks of several sessions
+    share one forward (right-padded) as on the C path, while every prefill kernel runs (`packs_rows`: a kernel that
+    fell back to its torch twin ends the packing); decode steps there run other kernels (the recurrent GDN update,
+    the "step" tiling), so they do not reach a prefill's bits (`steps_match_prefill` is False);
+  * elsewhere (the torch path: a GEMM whose rounding follows the row count, SDPA over padded rows) each forward
+    carries one block of one session, whose shape depends on the block alone, so its bits are the same whatever
+    else runs.
 """
 from __future__ import annotations
 
@@ -22,6 +30,7 @@ import torch
 from .cache import PREFILL_GRID, ModelCache
 from .model.ops import cpu
 from .model.ops import dispatch as ops
+from .model.ops.matmul_fp8 import FP8
 from .model.qwen35 import FwdCtx, Qwen35ForCausalLM
 from .session import SessionState, _queued_mtp_rows
 
@@ -51,19 +60,38 @@ def prefill(model: Qwen35ForCausalLM, ids: list[int], cache: ModelCache,
     return logits, model.model.norm(pre), pre
 
 
-def packs_rows(model: Qwen35ForCausalLM) -> bool:
+#: the kernels a prefill forward on the kernel path runs (a fallen-back one is its torch twin: not row-wise)
+PREFILL_KERNELS = ("matmul", "rms_norm", "gated_rms_norm", "attention_prefill", "gdn_prefill", "gdn_gates", "silu_mul")
+#: ... and a MoE model's, and an FP8 checkpoint's
+MOE_KERNELS = ("grouped_matmul", "moe_combine")
+
+
+def prefill_kernels(model: Qwen35ForCausalLM) -> tuple[str, ...]:
+    """The Triton kernels (`ops.KERNELS` names) a prefill forward of `model` calls on the kernel path."""
+    fp8 = any(p.dtype == FP8 for p in model.parameters())
+    return PREFILL_KERNELS + (MOE_KERNELS if model.config.is_moe else ()) + (("matmul_fp8",) if fp8 else ())
+
+
+def packs_rows(model: Qwen35ForCausalLM, kernels: tuple[str, ...] | None = None) -> bool:
     """Whether every op of this model's prefill forward is row-wise (see the module docstring): one forward may then
-    carry several sessions' blocks, and decode steps reach the states a prefill reaches, bit for bit."""
+    carry several sessions' blocks. On the kernel path: while every kernel a prefill forward calls runs (`kernels`,
+    default `prefill_kernels(model)`; the startup self-check may hand one to its twin, so a caller asks again after
+    it); on a CPU: the C kernels in fp32."""
     w = model.lm_head.weight
     cfg = model.config
-    return (w.device.type == "cpu" and w.dtype == torch.float32 and not ops.use_triton(w) and cpu.available()
+    if ops.use_triton(w):
+        return all(ops.use_kernel(n, w) for n in (kernels if kernels is not None else prefill_kernels(model)))
+    return (w.device.type == "cpu" and w.dtype == torch.float32 and cpu.available()
             and cpu.gemm_takes(w[:1], w) and 2 <= cfg.linear_conv_kernel_dim <= 16
             and all(p.shape[-1] % 8 == 0 and p.is_contiguous() for n, p in model.named_parameters()
                     if p.dim() >= 2 and not n.endswith(("embed_tokens.weight", "conv1d.weight")))
             and (not cfg.is_moe or cfg.moe_intermediate_size % 8 == 0))
 
 
-steps_match_prefill = packs_rows
+def steps_match_prefill(model: Qwen35ForCausalLM) -> bool:
+    """Whether a decode step reaches bitwise the state a prefill of the same tokens reaches (the prefix cache may then
+    keep blocks that generated tokens completed): the C path only, where one set of row-wise kernels runs both."""
+    return packs_rows(model) and not ops.use_triton(model.lm_head.weight)
 
 
 @torch.inference_mode()
@@ -113,19 +141,20 @@ def prefill_rows(model: Qwen35ForCausalLM, rows: list[SessionState]) -> None:
 
 
 def flush_mtp_rows(model: Qwen35ForCausalLM, rows: list[SessionState]) -> None:
-    """Write every row's queued MTP rows into its scratch in ONE head forward, rows right-padded (the padding's K/V
-    land past each row's scratch length and are overwritten later). Rows of sessions that prefill alone or
+    """Write every row's ready MTP rows (`SessionState.mtp_ready`: a prompt block's last row waits for the next
+    block) into its scratch in ONE head forward, rows right-padded (the padding's K/V land past each row's scratch
+    length and are overwritten later). Rows of sessions that prefill alone or
     finish go through here too (a row's rows are final once their next token is known)."""
-    rows = [r for r in rows if r._mtp_tokens]
+    rows = [r for r in rows if r.mtp_ready]
     if len(rows) <= 1:
         for r in rows:
             r._flush_mtp()
         return
-    toks, hid, n = _queued_mtp_rows(rows)  # [A, Tm], [A, Tm, H]
+    toks, hid, n = _queued_mtp_rows(rows, [r.mtp_ready for r in rows])  # [A, Tm], [A, Tm, H]
     r0, sc = rows[0], [r.scratch for r in rows]
     ctx = FwdCtx.make(model.config, r0.device, r0.dtype, [s.slot for s in sc], [s.length for s in sc],
                       [0] * len(rows), [0] * len(rows), toks.shape[1], False)
     model.mtp_forward(toks, hid, ctx, r0.pool.mtp)  # [A, Tm, H]: only the K/V it writes is used
     for r, k in zip(rows, n):
         r.scratch.set_len(r.scratch.length + k)
-        r._mtp_tokens, r._mtp_hidden = [], None
+        r._mtp_tokens, r._mtp_hidden = r._mtp_tokens[k:], r._mtp_hidden[k:] if k < len(r._mtp_tokens) else None

@@ -36,7 +36,7 @@ from .graphs import EAGER, GraphRunner, StepRunner, graph_buckets, padding_rows
 from .model.ops import cpu
 from .model.ops import dispatch as ops
 from .model.qwen35 import Qwen35ForCausalLM
-from .prefill import flush_mtp_rows, packs_rows, prefill_rows, steps_match_prefill
+from .prefill import flush_mtp_rows, packs_rows, prefill_kernels, prefill_rows, steps_match_prefill
 from .spec import SpecSession, spec_round
 
 log = logging.getLogger("nextn.scheduler")
@@ -125,7 +125,10 @@ class Scheduler:
         self.runner: StepRunner = GraphRunner(model, self.pool, self.buckets, scratch) if graphs else EAGER
         self.running: list[SpecSession] = []
         self.joining: collections.deque[SpecSession] = collections.deque()
-        self.packs = packs_rows(model)  # one prefill forward may carry several sessions' blocks
+        #: one prefill forward may carry several sessions' blocks (on the kernel path, `_forwards` asks again: the
+        #: startup self-check runs after this and may hand a prefill kernel to its twin)
+        self._prefill_kernels = prefill_kernels(model) if ops.use_triton(model.lm_head.weight) else None
+        self.packs = packs_rows(model, self._prefill_kernels)
         if prefix_cache_bytes is None:
             prefix_cache_bytes = int(PREFIX_CACHE_MEMORY_FRACTION * max(0, avail - need))
             if torch.device(device).type == "cpu":
@@ -194,10 +197,26 @@ class Scheduler:
         sess.close()
 
     # -- prefix cache --------------------------------------------------------------------------------------------
+    def _row_failed(self, sess: SpecSession, err: Exception, where: str) -> None:
+        """A prefix-cache path raised for `sess` alone: that session fails (its request gets the error; the step
+        closes it, which frees its slot and releases its reserved blocks) and the batch goes on. The cache's index
+        is only ever extended by a complete block, so what it holds stays valid for every later request."""
+        log.error("prefix cache: %s failed for one session (%s: %s); that request fails alone", where,
+                  type(err).__name__, err, exc_info=(type(err), err, err.__traceback__))
+        sess.fail(err)
+
     def _resume(self, sess: SpecSession) -> None:
         """Restore the longest cached run of `sess`'s prompt blocks into its slot, when it is longer than what the
         session holds (a session that has prefilled nothing itself looks again each step: blocks a session ahead of
-        it computed may have landed)."""
+        it computed may have landed). If that raises, `sess` alone fails (`_row_failed`)."""
+        if sess.error is not None:
+            return
+        try:
+            self._resume_row(sess)
+        except Exception as e:  # noqa: BLE001 - one session's lookup / restore fails that session only
+            self._row_failed(sess, e, "resume")
+
+    def _resume_row(self, sess: SpecSession) -> None:
         pc, prompt = self.cache, sess.prompt_ids
         assert pc is not None
         ids = pc.lookup(prompt, self._pkeys[sess])
@@ -223,7 +242,7 @@ class Scheduler:
 
     def _write_prefilled(self, rows: list[SpecSession]) -> None:
         """After a prefill wave: cache the block each row's forward just completed (its live state is the state at
-        the boundary)."""
+        the boundary). A row whose write raises fails alone (`_row_failed`)."""
         pc = self.cache
         for s in rows:
             w = self._writer(s)
@@ -231,9 +250,13 @@ class Scheduler:
             if w is None or L % PREFILL_GRID or L // PREFILL_GRID <= w.next:
                 continue
             b = L // PREFILL_GRID - 1
-            keys = self._keys(s, w, b + 1)
-            pc.insert(keys, s.committed, b, s.slot, s.slot if s.scratch is not None else None,
-                      window_slot=s.cache.cur, pre_last=s.last_pre)
+            try:
+                keys = self._keys(s, w, b + 1)
+                pc.insert(keys, s.committed, b, s.slot, s.slot if s.scratch is not None else None,
+                          window_slot=s.cache.cur, pre_last=s.last_pre)
+            except Exception as e:  # noqa: BLE001 - one session's block write fails that session only
+                self._row_failed(s, e, "writing a prefilled block")
+                continue
             w.next = b + 1
 
     def _capture_decoded(self, rows: list[SpecSession], before: list[int]) -> None:
@@ -249,11 +272,18 @@ class Scheduler:
                 b = B // PREFILL_GRID - 1
                 if b < w.next:
                     continue
-                bid = pc.reserve()
-                if bid is None:
+                bid = None
+                try:
+                    bid = pc.reserve()
+                    if bid is None:
+                        break
+                    # the verify forward's token t (position n + t) left its state in window slot t
+                    pc.capture_state(bid, s.slot, B - 1 - n, s.round_pre[B - 1 - n])
+                except Exception as e:  # noqa: BLE001 - one session's capture fails that session only
+                    if bid is not None:
+                        pc.release(bid)
+                    self._row_failed(s, e, "capturing a decoded block")
                     break
-                # the verify forward's token t (position n + t) left its state in window slot t
-                pc.capture_state(bid, s.slot, B - 1 - n, s.round_pre[B - 1 - n])
                 w.pending.append((b, bid))
                 w.next = b + 1
 
@@ -269,8 +299,18 @@ class Scheduler:
                 if s.error is not None:
                     pc.release(bid)
                 elif s.scratch is None or s.scratch.length >= (b + 1) * PREFILL_GRID - 1:
-                    pc.insert(self._keys(s, w, b + 1), s.committed, b, s.slot,
-                              s.slot if s.scratch is not None else None, bid=bid)
+                    key, had = None, False
+                    try:
+                        key = self._keys(s, w, b + 1)[b]
+                        had = pc.contains(key)
+                        pc.insert(self._keys(s, w, b + 1), s.committed, b, s.slot,
+                                  s.slot if s.scratch is not None else None, bid=bid)
+                    except Exception as e:  # noqa: BLE001 - one session's block write fails that session only
+                        # the reserved block goes back unless the insert may have placed or released it already
+                        # (its key was or now is indexed): a block lost to the budget, never one held twice
+                        if key is None or not (had or pc.contains(key)):
+                            pc.release(bid)
+                        self._row_failed(s, e, "writing a decoded block")
                 else:
                     keep.append((b, bid))
             w.pending = keep
@@ -291,6 +331,8 @@ class Scheduler:
         out: list[tuple[SpecSession, int]] = []
         coming: set[bytes] = set()  # full prompt blocks that sessions ahead in the queue will compute and cache
         for s in self.joining:
+            if s.finished:  # failed while joining (`_resume`): the step retires it
+                continue
             keys = self._pkeys.get(s)
             if keys is not None:
                 b = s.cache.length // PREFILL_GRID
@@ -299,6 +341,8 @@ class Scheduler:
                         self._readers.discard(s)
                     else:
                         self._resume(s)
+                        if s.finished:
+                            continue
                         b = s.cache.length // PREFILL_GRID
                         if b < (len(s.prompt_ids) - 1) // PREFILL_GRID and keys[b] in coming:
                             continue  # a session ahead computes this block: take it from the cache later
@@ -319,10 +363,12 @@ class Scheduler:
         return out
 
     def _forwards(self, rows: list[SpecSession]) -> list[list[SpecSession]]:
-        """One wave's forwards, in order: one row each unless the model's prefill is row-wise (`packs_rows`); then a
+        """One wave's forwards, in order: one row each unless the model's prefill is row-wise (`packs_rows`, asked again
+        on the kernel path: a kernel that fell back to its twin since ends the packing); then a
         row joins the previous forward while its padded size (rows x longest block) stays within
         max_num_batched_tokens and every row's slot has room for the padding, else it starts the next one."""
-        if not self.packs:
+        if not self.packs or (self._prefill_kernels is not None
+                              and not packs_rows(self.model, self._prefill_kernels)):
             return [[s] for s in rows]
         out: list[list[SpecSession]] = []
         for s in rows:
@@ -368,7 +414,7 @@ class Scheduler:
             rows = [s for s, n in grants if n > wave and s.prefilling and not s.finished]
             if rows:
                 self._prefill(rows)
-        for s, _ in grants:
+        for s in list(self.joining):  # prefilled, or failed (a prefill, or a prefix-cache path while joining)
             if not s.prefilling or s.finished:
                 self.joining.remove(s)
                 self._readers.discard(s)

@@ -261,9 +261,7 @@ class SessionState:
         if self.k > 0:
             assert self.scratch is not None
             self.scratch.set_len(n - 1)
-            ctx = FwdCtx.make(self.cfg, self.device, self.dtype, [self.slot], [n - 1], [0], [0], 1, False)
-            carrier = pre_last[None] if self.hidden_mode == "pre" else self.model.model.norm(pre_last[None], ctx)
-            self._queue_mtp_rows([self._to_prefill[n]], carrier)  # row n-1 = (token n, h_{n-1})
+            self._queue_mtp_rows([self._to_prefill[n]], self._boundary_carrier(pre_last))  # row n-1: (token n, h_{n-1})
 
     def begin_prefill(self, ids: list[int]) -> None:
         """Queue `ids` (a prompt, or a later turn's suffix) for prefill."""
@@ -272,8 +270,9 @@ class SessionState:
     @torch.inference_mode()
     def prefill_chunk(self) -> int:
         """Prefill the next grid block of the queued prompt (`next_chunk`) in one trunk forward; the MTP head takes
-        the block's rows right away, except the prompt's last row, which waits for the first token. The last block
-        also chooses and emits the first token. Returns the number of tokens prefilled."""
+        the block's rows right away, except its last row, which waits for the next block's forward (`mtp_ready`), or
+        for the first token after the prompt's last block. The last block also chooses and emits the first token.
+        Returns the number of tokens prefilled."""
         ids = self.next_chunk()
         cache = self.cache
         x = torch.tensor([ids], device=self.device)
@@ -316,7 +315,11 @@ class SessionState:
         if self.k > 0:
             nxt = self._to_prefill[self._prefilled - len(ids) + 1:self._prefilled + 1]  # token i+1 of each row
             carrier = post if self.hidden_mode == "post" else pre
-            self._queue_mtp_rows(nxt, carrier[:len(nxt)])
+            if done:
+                self._queue_mtp_rows(nxt, carrier[:len(nxt)])
+            else:  # the block's last row waits for the next block's forward (`mtp_ready`), its carrier made as a
+                # resume at this boundary makes it
+                self._queue_mtp_rows(nxt, torch.cat([carrier[:len(nxt) - 1], self._boundary_carrier(pre[-1])]))
             if flush_mtp:
                 self._flush_mtp()
         if done:
@@ -429,13 +432,32 @@ class SessionState:
             return int(torch.argmax(row).item())
         return int(sample(probs_from_logits(row, self.sampling), self._gen).item())
 
+    @property
+    def mtp_ready(self) -> int:
+        """Queued MTP rows that a prefill flush writes now: all of them, except while the prompt still prefills, when
+        the last one (the row of the grid boundary the last block ended on) waits for the next block's forward.
+        So each prompt block's head forward covers rows bG-1 .. (b+1)G-2, exactly a prefix-cache block's MTP rows,
+        and a session resumed at a boundary runs the forwards a miss runs (the same rows, positions and shapes:
+        the same bits on every path, the torch path's shape-dependent rounding included)."""
+        return len(self._mtp_tokens) - (1 if self.prefilling and self._mtp_tokens else 0)
+
+    def _boundary_carrier(self, pre: torch.Tensor) -> torch.Tensor:
+        """The MTP carrier [1, H] of the last row of a grid block from its pre-norm hidden [H], computed alone (one
+        row), as a miss and a prefix-cache resume at that boundary both compute it."""
+        if self.hidden_mode == "pre":
+            return pre[None]
+        n = self.cache.length
+        ctx = FwdCtx.make(self.cfg, self.device, self.dtype, [self.slot], [n - 1], [0], [0], 1, False)
+        return self.model.model.norm(pre[None], ctx)
+
     def _queue_mtp_rows(self, tokens: list[int], hidden: torch.Tensor) -> None:
         self._mtp_tokens = self._mtp_tokens + tokens
         self._mtp_hidden = hidden if self._mtp_hidden is None else torch.cat([self._mtp_hidden, hidden])
 
     def _flush_mtp(self) -> None:
-        """Write every queued MTP row into the scratch (prefill: their next tokens are prompt tokens, so final)."""
-        n = len(self._mtp_tokens)
+        """Write the queued MTP rows that are ready (`mtp_ready`) into the scratch (prefill: their next tokens are
+        prompt tokens, so final)."""
+        n = self.mtp_ready
         if n == 0:
             return
         sc = self.scratch
@@ -506,15 +528,16 @@ class SessionState:
             print(self.stats_text(), file=sys.stderr)
 
 
-def _queued_mtp_rows(rows: list[SpecSession]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """Every row's queued MTP rows, right-padded to the longest queue: tokens [A, Tm] long (padding 0), carrier
-    hiddens [A, Tm, H] (padding zeros), and each row's queue length."""
-    n = [len(r._mtp_tokens) for r in rows]
+def _queued_mtp_rows(rows: list[SessionState], n: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                     list[int]]:
+    """The first n[a] queued MTP rows of each row a (default: its whole queue), right-padded to the longest: tokens
+    [A, Tm] long (padding 0), carrier hiddens [A, Tm, H] (padding zeros), and n."""
+    n = [len(r._mtp_tokens) for r in rows] if n is None else n
     Tm, r0 = max(n), rows[0]
-    toks = torch.tensor([r._mtp_tokens + [0] * (Tm - k) for r, k in zip(rows, n)], device=r0.device)  # [A, Tm]
-    if min(n) == Tm:
+    toks = torch.tensor([r._mtp_tokens[:k] + [0] * (Tm - k) for r, k in zip(rows, n)], device=r0.device)  # [A, Tm]
+    if min(n) == Tm and all(r._mtp_hidden.shape[0] == Tm for r in rows):
         return toks, torch.stack([r._mtp_hidden for r in rows]), n
     hid = torch.zeros(len(rows), Tm, r0._mtp_hidden.shape[-1], dtype=r0.dtype, device=r0.device)
     for a, r in enumerate(rows):
-        hid[a, :n[a]] = r._mtp_hidden
+        hid[a, :n[a]] = r._mtp_hidden[:n[a]]
     return toks, hid, n

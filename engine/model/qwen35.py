@@ -24,7 +24,8 @@ Two implementations of the same math, chosen per tensor by `ops.use_triton` (CUD
     token steps, each row-wise with fixed sum orders, so a dense model's verify logits are bitwise the same alone,
     in any batch and at any T (and a short prompt's prefill state the same however it is chunked);
   * the kernel path: every linear (the fused projections, the LM head with fp32 logits, the MoE experts grouped
-    by expert) is the batch-invariant Triton matmul, norms and activations are fused row-wise kernels, and a
+    by expert) is the batch-invariant Triton matmul, in the tiling of the forward's kind (`FwdCtx.phase`: "step"
+    for decode, verify and drafts, "prefill" for prompt blocks and the MTP head's prompt rows), norms and activations are fused row-wise kernels, and a
     step forward (decode, verify, MTP draft) built with `FwdCtx.from_tensors` runs attention over the pool and
     the GDN conv + recurrent update as kernels on device tensors only (no host values), so it can be captured
     in a CUDA graph (engine/graphs.py). A row's outputs then do not depend on the other rows nor on T
@@ -85,13 +86,20 @@ class GatedRMSNorm(nn.Module):
         return ops.gated_rms_norm(x, z, self.weight, self.eps)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, ctx: FwdCtx | None = None) -> torch.Tensor:
-    """x @ w^T: the batch-invariant kernel on the kernel path, F.linear on the torch path; in a step forward or a
-    prefill block (`ctx.cpu_kernels`) of an fp32 CPU model, ops/cpu.py's batch-invariant C GEMM when this CPU
-    has AVX2 + FMA. An FP8 weight (kept only where the kernel path runs, engine/loader.py) takes ops.linear's FP8
-    matmul."""
+def matmul_phase(ctx: FwdCtx | None) -> str:
+    """The kernel path's matmul tiling for a forward of context `ctx` (engine/model/ops/matmul.py): "prefill" for a
+    host forward that writes final states only (a prompt's grid block, the MTP head's prompt rows), "step" for every
+    other (decode, verify, MTP drafts, the cache-free forward). Chosen by the forward's kind, never by its rows."""
+    return ctx.phase if ctx is not None else "step"
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, ctx: FwdCtx | None = None, phase: str | None = None) -> torch.Tensor:
+    """x @ w^T: the batch-invariant kernel on the kernel path (tiling `phase`, default `matmul_phase(ctx)`),
+    F.linear on the torch path; in a step forward or a prefill block (`ctx.cpu_kernels`) of an fp32 CPU model,
+    ops/cpu.py's batch-invariant C GEMM when this CPU has AVX2 + FMA. An FP8 weight (kept only where the kernel
+    path runs, engine/loader.py) takes ops.linear's FP8 matmul."""
     if ops.use_triton(x) or w.dtype == FP8:
-        return ops.linear(x, w)
+        return ops.linear(x, w, phase=phase or matmul_phase(ctx))
     if ctx is not None and ctx.cpu_kernels:
         y = cpu.linear_or_none(x, w)
         if y is not None:
@@ -250,6 +258,14 @@ class FwdCtx:
         return self._lens_t
 
     @property
+    def phase(self) -> str:
+        """The kernel path's matmul tiling for this forward: "prefill" for a host forward that writes final states
+        only (`record` False: a prompt's grid block, the MTP head's prompt rows), else "step" (ops/matmul.py). A
+        function of the forward's kind alone, so every row of a packed prefill and the same block alone run the same
+        tiling."""
+        return "prefill" if not self.kernels and not self.record else "step"
+
+    @property
     def cpu_kernels(self) -> bool:
         """Whether this forward may run ops/cpu.py's C kernels (each op still checks dtype, device and the build):
         every host forward over the pool (step forwards: decode, verify, MTP drafts; prefill blocks of any length),
@@ -378,7 +394,8 @@ class GatedAttention(nn.Module):
                 return linear(o, self.o_proj.weight, ctx)
             qg, k, v = qkv.split([nq, nk, nk], dim=-1)
         else:
-            qg, k, v = linear(x, self.q_proj.weight), linear(x, self.k_proj.weight), linear(x, self.v_proj.weight)
+            ph = matmul_phase(ctx)
+            qg, k, v = (linear(x, m.weight, phase=ph) for m in (self.q_proj, self.k_proj, self.v_proj))
         qg = qg.view(N, T, self.nh, 2 * self.hd)
         q, gate = qg[..., : self.hd], qg[..., self.hd:]  # [N, T, nh, hd] each (views)
         q = self.q_norm(q)  # [N, T, nh, hd]
@@ -394,7 +411,7 @@ class GatedAttention(nn.Module):
             ops.write_kv(kv.k, kv.v, k, v, slot, pos0)
             attend = ops.attention if ctx.kernels else ops.attention_prefill
             o = attend(q, kv.k, kv.v, slot, pos0, self.hd ** -0.5, gate)  # gated, [N, T, nh, hd]
-            return linear(o.reshape(N, T, self.nh * self.hd), self.o_proj.weight)
+            return linear(o.reshape(N, T, self.nh * self.hd), self.o_proj.weight, phase=ctx.phase)
         if ctx is None or kv is None:
             o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                is_causal=T > 1, scale=self.hd ** -0.5, enable_gqa=gqa)
@@ -422,7 +439,8 @@ class GatedAttention(nn.Module):
                                                    scale=self.hd ** -0.5, enable_gqa=gqa)  # [N, nh, T, hd]
             o = o.transpose(1, 2)  # [N, T, nh, hd]
         gate = gate.reshape(N, T, self.nh * self.hd)
-        return linear(o.reshape(N, T, self.nh * self.hd) * torch.sigmoid(gate), self.o_proj.weight)
+        return linear(o.reshape(N, T, self.nh * self.hd) * torch.sigmoid(gate), self.o_proj.weight,
+                      phase=matmul_phase(ctx))
 
 
 class GatedDeltaNet(nn.Module):
@@ -483,8 +501,8 @@ class GatedDeltaNet(nn.Module):
                 return linear(o, self.out_proj.weight, ctx)
             qkv, z, b, a = proj.split(self._split, dim=-1)
         else:
-            qkv, z, b, a = (linear(x, m.weight) for m in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b,
-                                                          self.in_proj_a))
+            qkv, z, b, a = (linear(x, m.weight, phase=matmul_phase(ctx))
+                            for m in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a))
         z = z.reshape(N, T, self.nv, self.dv)
         if ctx is not None and ctx.kernels:
             assert st is not None
@@ -502,7 +520,7 @@ class GatedDeltaNet(nn.Module):
         if grid:
             o = self._prefill_kernel(y, b, a, ctx, st)  # [N, T, nv, dv] in dt
             self._write_conv_end(window, ctx, st)
-            return linear(self.norm(o, z).reshape(N, T, self.nv * self.dv), self.out_proj.weight)
+            return linear(self.norm(o, z).reshape(N, T, self.nv * self.dv), self.out_proj.weight, phase=ctx.phase)
         Kd = self.nk * self.dk
         qk = l2norm(as_dtype(y[..., :2 * Kd].reshape(N, T, 2 * self.nk, self.dk), sdt))  # q and k heads in one pass
         r = self.nv // self.nk
@@ -555,7 +573,7 @@ class GatedDeltaNet(nn.Module):
                 st.rec_rows.index_copy_(0, wr, s)
             self._write_conv_end(window, ctx, st)
         o = self.norm(as_dtype(o, dt), z)  # [N, T, nv, dv]
-        return linear(o.reshape(N, T, self.nv * self.dv), self.out_proj.weight)
+        return linear(o.reshape(N, T, self.nv * self.dv), self.out_proj.weight, phase=matmul_phase(ctx))
 
     def _write_conv_end(self, window: torch.Tensor, ctx: FwdCtx, st: "GdnPool") -> None:
         """A forward that writes final states only: each row's conv state after its last real token (window
@@ -721,9 +739,10 @@ class Qwen35ForCausalLM(nn.Module):
     def logits(self, h_post: torch.Tensor, out: torch.Tensor | None = None,
                ctx: FwdCtx | None = None) -> torch.Tensor:
         """Post-norm hidden [..., H] -> fp32 logits [..., V] (kernel path: the batch-invariant matmul, fp32 out,
-        written into `out` when given). `ctx`: the step forward's context (the CPU GEMM, see `linear`)."""
+        written into `out` when given). `ctx`: the forward's context (the CPU GEMM, see `linear`; the kernel path's
+        tiling, `matmul_phase`: a prompt row's logits run the prefill tiling)."""
         if ops.use_triton(h_post):
-            return ops.linear(h_post, self.lm_head.weight, out_dtype=torch.float32, out=out)
+            return ops.linear(h_post, self.lm_head.weight, out_dtype=torch.float32, out=out, phase=matmul_phase(ctx))
         y = linear(h_post, self.lm_head.weight, ctx).float()
         return y if out is None else out.copy_(y)
 

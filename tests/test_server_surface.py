@@ -258,7 +258,7 @@ def test_prompt_logprobs(client, srv, tok):
     plp = c.model_extra["prompt_logprobs"]
     assert len(plp) == len(c.model_extra["prompt_token_ids"]) and plp[0] is None
     assert all(len(e) == 1 and e[next(iter(e))]["rank"] >= 1 for e in plp[1:])
-    assert_400(post(srv, "/completions", {"prompt": "Hi", "prompt_logprobs": -1}), "prompt_logprobs")
+    assert_400(post(srv, "/completions", {"prompt": "Hi", "prompt_logprobs": -2}), "prompt_logprobs")
     assert_400(post(srv, "/completions", {"prompt": "Hi", "prompt_logprobs": 1, "stream": True}), "prompt_logprobs")
 
 
@@ -538,7 +538,7 @@ def test_completions_logprobs_zero_streamed_and_not(client, srv, stream):
 def test_prompt_logprobs_with_stream_is_400_in_chat_too(srv):
     assert_400(post(srv, "/chat/completions", {"messages": MSGS, "prompt_logprobs": 1, "stream": True}),
                "prompt_logprobs")
-    assert_400(post(srv, "/chat/completions", {"messages": MSGS, "prompt_logprobs": -1}), "prompt_logprobs")
+    assert_400(post(srv, "/chat/completions", {"messages": MSGS, "prompt_logprobs": -2}), "prompt_logprobs")
 
 
 @BOTH

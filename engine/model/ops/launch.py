@@ -206,10 +206,14 @@ def _smem_gdn_update(c: Launch, dt: torch.dtype, d: dict) -> int:
 
 
 def _gdn_prefill(t: str, dt: torch.dtype, d: dict) -> Launch:
-    """Chunked GDN prefill: one program per (row, value head, dv block) walks its chunks in order. IEEE: fp32 dots
-    without TF32 for fp32 models; 16-bit models let the MMA run TF32 (the twin comparison's bf16 tolerance)."""
+    """Chunked GDN prefill: one program per (row, value head, dv block) walks its chunks in order. IEEE = 1 for
+    every model dtype: every dot of the kernel has fp32 operands (the state, the UT transform, the normalised q/k)
+    and feeds the fp32 recurrent state that later chunks, later prompt blocks and every decode step build on, so
+    the dots run in IEEE fp32, never TF32 (10-bit mantissas: about 1e-3 relative per product, compounded over the
+    prompt's chunks, where the fp32 pool promises fp32 states and the self-check compares them at the fp32
+    accumulation tolerance, dispatch.tolerance)."""
     bv = min(32, _p2(d["dv"]))
-    return L(4, 1, CHUNK=64, BK=_p2(d["dk"]), BV=bv, IEEE=int(dt == torch.float32))
+    return L(4, 1, CHUNK=64, BK=_p2(d["dk"]), BV=bv, IEEE=1)
 
 
 def _smem_gdn_prefill(c: Launch, dt: torch.dtype, d: dict) -> int:

@@ -1,18 +1,20 @@
-"""Every Triton kernel the model calls, compiled for real CUDA targets without a GPU: sm_80 (A100), sm_89 (L4, RTX 4090),
-sm_90 (H100, H200), sm_100 (B200) and sm_120 (RTX 50xx) with the ptxas that ships with triton, at Qwen3.5's 0.8B, 9B,
-27B and 35B-A3B shapes in bf16 and fp32 (`--dtype float32` serves on CUDA too), at each target's launch-table
-config. Prints one row per compiled (kernel, config, specialisation, target): registers, spills, shared memory
-against the device's limit and the table's static estimate (engine/model/ops/launch.py).
+"""Every Triton kernel the model calls, compiled for real CUDA targets without a GPU: sm_80 (A100), sm_89 (L4,
+RTX 4090), sm_90 (H100, H200), sm_100 (B200) and sm_120 (RTX 50xx) with the ptxas that ships with triton, at
+Qwen3.5's 0.8B, 9B, 27B and 35B-A3B shapes in bf16 and fp32 (`--dtype float32` serves on CUDA too), at each
+target's launch-table config. Prints one row per compiled (kernel, config, specialisation, target): registers,
+spills, shared memory against the device's limit and the table's static estimate (engine/model/ops/launch.py).
 
-    python bench/compile_targets.py [--models 0.8B,9B] [--targets sm80,sm90] [--dtypes bf16] [--json out.json]
+    python bench/compile_targets.py [--models 0.8B,9B] [--targets sm80,sm90] [--dtypes bf16] [--jobs 2]
+                                    [--matrix] [--json out.json]
+    python bench/compile_targets.py --render out.json [--matrix]     the tables of an earlier run
 
 How (no GPU, no kernel is run): the kernel wrappers are called on "meta" tensors of the model's shapes inside
 `launch.compile_target(cc)` (their configs are the target's) under a stand-in Triton driver whose "device" is the
 target; Triton's own launch path binds the arguments and computes the specialisation (divisibility by 16, == 1, the
 constexprs) exactly as on a GPU, and its `jit_cache_hook` hands the compile request here instead of compiling and
 launching. Identical (kernel, specialisation, options, target) requests are compiled once, with
-`triton.compile` (Triton's on-disk cache reused within and across runs). Registers and local memory (spills) are
-read from the cubin by triton's `cuobjdump`.
+`triton.compile` (Triton's on-disk cache reused within and across runs). Registers and the stack frame (register
+spills) are read from the cubin by triton's `cuobjdump`.
 
 The launches follow the self-check's shapes (engine/selfcheck.py `linear_shapes`, the model's heads, norms, MLP
 widths, experts and vocab): what the model's forward calls. Every dim of a Qwen3.5 model is a multiple of 16 except
@@ -265,7 +267,7 @@ class Compiled:
     config: str  # blocks, warps, stages
     shapes: list[str]  # the launches that share this binary
     regs: int
-    spills: int  # local memory bytes per thread (spill stores land there)
+    spills: int  # stack frame + local memory bytes per thread: register spills
     smem: int  # bytes, Triton's allocation
     estimate: int  # the launch table's static estimate
     limit: int  # the device's opt-in shared memory per block
@@ -277,7 +279,9 @@ class Compiled:
 
 
 def _resources(cubin: bytes) -> tuple[int, int]:
-    """(registers, local-memory bytes) of the one kernel in `cubin`, from triton's cuobjdump."""
+    """(registers, stack frame + local memory bytes per thread) of the one kernel in `cubin`, from triton's cuobjdump.
+    A Triton kernel has no local arrays and no calls, so any stack is register spills (ptxas -v: "N bytes stack
+    frame, N bytes spill stores")."""
     from triton import knobs
 
     tool = Path(knobs.nvidia.ptxas.path).with_name("cuobjdump")
@@ -287,10 +291,10 @@ def _resources(cubin: bytes) -> tuple[int, int]:
         out = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
     finally:
         os.unlink(f.name)
-    m = re.search(r"REG:(\d+).*?LOCAL:(\d+)", out)
+    m = re.search(r"REG:(\d+)\s+STACK:(\d+).*?LOCAL:(\d+)", out)
     if m is None:
         raise RuntimeError(f"no resource usage in cuobjdump's output: {out[-500:]}")
-    return int(m.group(1)), int(m.group(2))
+    return int(m.group(1)), int(m.group(2)) + int(m.group(3))
 
 
 def _config(r: Request) -> str:
@@ -298,15 +302,19 @@ def _config(r: Request) -> str:
     return f"{blocks} w{r.num_warps} s{r.num_stages}"
 
 
-def compile_all(reqs: list[Request], on_each: Callable[[Compiled], None] | None = None) -> list[Compiled]:
-    """Compile each distinct (kernel, specialisation key, target) once; a failure raises (with the launch named)."""
+def compile_all(reqs: list[Request], on_each: Callable[[Compiled], None] | None = None,
+                per_config: bool = False) -> list[Compiled]:
+    """Compile each distinct (kernel, specialisation key, target) once; a failure raises (with the launch named).
+    `per_config`: one specialisation per (kernel, constexprs and argument types, target): the launches that differ
+    only in which integers are divisible by 16 share one binary (the CI test's budget)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     groups: dict[tuple, list[Request]] = {}
     for r in reqs:
-        groups.setdefault((r.kernel, r.key, r.entry, r.target), []).append(r)
+        spec = (str(sorted(r.signature.items())), str(sorted(r.constants.items(), key=str))) if per_config else r.key
+        groups.setdefault((r.kernel, spec, r.entry, r.target), []).append(r)
     out = []
     for (kernel, _, entry, tname), rs in groups.items():
         r = rs[0]
@@ -339,11 +347,32 @@ def _arch(name: str) -> int:
 
 def table(rows: list[Compiled]) -> str:
     """The markdown table of the compiled resources."""
-    lines = ["| kernel | table entry | dtype | target | config | regs | spill (local B) | smem KB | estimate KB | "
+    lines = ["| kernel | table entry | dtype | target | config | regs | spills (stack B) | smem KB | estimate KB | "
              "limit KB | launches |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in sorted(rows, key=lambda c: (c.kernel, c.entry, c.dtype, _arch(c.target), c.config)):
         lines.append(f"| {c.kernel} | {c.entry} | {c.dtype} | {c.target} | {c.config} | {c.regs} | {c.spills} | "
                      f"{c.smem / 1024:.1f} | {c.estimate / 1024:.1f} | {c.limit // 1024} | {len(c.shapes)} |")
+    return "\n".join(lines)
+
+
+def matrix(rows: list[Compiled]) -> str:
+    """The condensed table: one row per (launch-table entry, dtype), one column per target; a cell is the most
+    registers and the most shared memory over that config's specialisations, against the table's estimate."""
+    targets = [t for t in TARGETS if any(c.target == t for c in rows)]
+    cells: dict[tuple[str, str], dict[str, list[Compiled]]] = {}
+    for c in rows:
+        cells.setdefault((c.entry, c.dtype), {}).setdefault(c.target, []).append(c)
+    lines = ["| table entry | dtype | binaries | " + " | ".join(f"{t}: regs, smem / est. KB" for t in targets)
+             + " |", "|---|---|---|" + "---|" * len(targets)]
+    for (entry, dt), by in sorted(cells.items()):
+        row = [entry, dt, str(sum(len(cs) for cs in by.values()))]
+        for t in targets:
+            cs = by.get(t, [])
+            spill = max((c.spills for c in cs), default=0)
+            row.append("-" if not cs else f"{max(c.regs for c in cs)}, {max(c.smem for c in cs) / 1024:.1f} / "
+                                          f"{max(c.estimate for c in cs) / 1024:.1f}"
+                                          + (f", **spills {spill} B**" if spill else ""))
+        lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
 
@@ -355,8 +384,9 @@ def summary(rows: list[Compiled], n_requests: int, seconds: float) -> str:
     over = [c for c in rows if not c.ok]
     return (f"{len(rows)} binaries ({len(kernels)} kernels x their configs and specialisations x targets) from "
             f"{n_requests} launches, compiled in {seconds:.0f} s; max {worst.regs} registers ({worst.kernel}, "
-            f"{worst.target}, {worst.config}); {len(spills)} with local memory (spills)"
-            + (": " + ", ".join(f"{c.kernel} {c.target} {c.config} {c.spills} B" for c in spills) if spills else "")
+            f"{worst.target}, {worst.config}); {len(spills)} binaries spill registers"
+            + (" (most: {0.spills} B of stack per thread, {0.kernel} {0.dtype} on {0.target})".format(
+                max(spills, key=lambda c: c.spills)) if spills else "")
             + f"; least shared-memory headroom {(head.limit - head.smem) / 1024:.1f} KB ({head.kernel}, {head.target}, "
             f"{head.smem / 1024:.1f} of {head.limit // 1024} KB); over the limit or the estimate: {len(over)}")
 
@@ -369,7 +399,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--jobs", type=int, default=1, help="compile the targets in this many processes")
     p.add_argument("--quiet", action="store_true", help="the summary line only, not the table")
+    p.add_argument("--matrix", action="store_true", help="the condensed table (entry x target) instead of one row "
+                                                         "per binary")
+    p.add_argument("--per-config", action="store_true", help="one specialisation per kernel config and argument "
+                                                             "types (launches differing only in divisibility share)")
+    p.add_argument("--render", metavar="JSON", help="print the tables of an earlier --json run; compile nothing")
     args = p.parse_args(argv)
+    if args.render:
+        got = json.loads(Path(args.render).read_text())
+        rows = [Compiled(**r) for r in got["rows"]]
+        print(matrix(rows) if args.matrix else table(rows))
+        print()
+        print(summary(rows, got["launches"], got["seconds"]))
+        return 0 if all(c.ok for c in rows) else 1
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         p.error("unset TRITON_INTERPRET: the kernels must be JIT functions to compile for a target")
     t0 = time.monotonic()
@@ -378,10 +420,10 @@ def main(argv: list[str] | None = None) -> int:
         rows, n = _in_processes(args, [targets[i::args.jobs] for i in range(args.jobs)])
     else:
         reqs = requests(args.models.split(","), targets, args.dtypes.split(","))
-        rows, n = compile_all(reqs), len(reqs)
+        rows, n = compile_all(reqs, per_config=args.per_config), len(reqs)
     took = time.monotonic() - t0
     if not args.quiet:
-        print(table(rows))
+        print(matrix(rows) if args.matrix else table(rows))
         print()
     print(summary(rows, n, took))
     if args.json:
@@ -397,7 +439,7 @@ def _in_processes(args: argparse.Namespace, groups: list[list[str]]) -> tuple[li
         for i, g in enumerate(x for x in groups if x):
             out = Path(tmp) / f"{i}.json"
             cmd = [sys.executable, __file__, "--models", args.models, "--dtypes", args.dtypes, "--targets",
-                   ",".join(g), "--json", str(out), "--quiet"]
+                   ",".join(g), "--json", str(out), "--quiet"] + (["--per-config"] if args.per_config else [])
             procs.append((subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True), out))
         rows, n, errs = [], 0, []
         for proc, out in procs:

@@ -331,7 +331,8 @@ def _conv_update(c: Qwen35Config, r: _Rand) -> Outputs:
     conv_t = conv.float()
     y = _gdn.conv_update(x, conv, w, slot, cur, out=r.nans(2, T, C))
     y_t = _gdn.conv_update_ref(x.float(), conv_t, w.float(), slot, cur)  # the kernel sums the taps in fp32
-    return [("output", y, y_t.to(r.dtype), Acc(c.linear_conv_kernel_dim)), ("windows", conv[slot, :T], conv_t[slot, :T].to(r.dtype))]
+    return [("output", y, y_t.to(r.dtype), Acc(c.linear_conv_kernel_dim)),
+            ("windows", conv[slot, :T], conv_t[slot, :T].to(r.dtype))]
 
 
 def _gdn_gates(c: Qwen35Config, r: _Rand) -> Outputs:

@@ -1,6 +1,6 @@
-"""The startup self-check runs each kernel at the model's own shapes (engine/selfcheck.py): every GEMM shape, norm width,
-MLP width and expert count the model's kernel path calls is one the check runs, so a pass proves the variants Triton
-compiles for the real weights (it specialises on divisibility by 16 and on == 1).
+"""The startup self-check runs each kernel at the model's own shapes (engine/selfcheck.py): every GEMM shape, norm
+width, MLP width and expert count the model's kernel path calls is one the check runs, so a pass proves the variants
+Triton compiles for the real weights (it specialises on divisibility by 16 and on == 1).
 
 The model's calls are recorded by running a tiny dense and a tiny MoE model (prefill, verify and drafts, K = 1)
 through the kernel path under the interpreter, with the GEMM and norm wrappers replaced by recorders that compute

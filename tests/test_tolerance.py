@@ -3,13 +3,14 @@ reduction length and the accumulation mode, so a correct kernel never fails agai
 defects are caught.
 
 The GPU's noise is simulated honestly on the CPU, at the LM head's shape class (fp32 output, K = the hidden sizes of
-Qwen3.5: 1024, 2048, 4096, 5120; 3 rows x 1024 columns) over 60 seeds, with the self-check's inputs (bf16 x ~ N(0, 1), w ~ N(0, 1/K)):
+Qwen3.5: 1024, 2048, 4096, 5120; 3 rows x 1024 columns) over 60 seeds, with the self-check's inputs (bf16
+x ~ N(0, 1), w ~ N(0, 1/K)):
 the twin is torch's fp32 GEMM (MKL here, cuBLAS there: products of bf16 values are exact in fp32, only the order of
 the fp32 sums differs); the "kernel" sums the same products in another legitimate order: the MMA's (a partial per
-64-wide K tile, the tiles accumulated in order), a K split's (partials summed in order), and (one seed in five) a plain
-sequential FMA loop over a random permutation of K (the worst order a correct kernel could take). A TF32 kernel (fp32 operands
-rounded to 10-bit mantissas, what `tl.dot` does by default) passes the TF32 tolerance and fails the fp32 one (why the
-chunked GDN prefill's dots run IEEE, launch.py). Defects that must be caught on every seed: one ulp added to every
+64-wide K tile, the tiles accumulated in order), a K split's (partials summed in order), and (one seed in five) a
+plain sequential FMA loop over a random permutation of K (the worst order a correct kernel could take). A TF32 kernel
+(fp32 operands rounded to 10-bit mantissas, what `tl.dot` does by default) passes the TF32 tolerance and fails the
+fp32 one (why the chunked GDN prefill's dots run IEEE, launch.py). Defects that must be caught on every seed: one ulp added to every
 element of a bf16 output, an fp32 output (or its partial sums) rounded through bf16, one wrong element, an N tile
 read off by one tile, a dropped K tile.
 

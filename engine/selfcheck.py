@@ -1,9 +1,13 @@
 """Kernels meet the device at startup: every Triton kernel of the model's path is compiled for the model's shapes
 and dtype and compared with its torch twin on random inputs on the device, before the first request.
 
-`check_kernels(cfg, device)` runs one check per kernel (`dispatch.KERNELS`): the kernel wrapper writes into
-NaN-poisoned output buffers, the twin computes the same from the same inputs, and `dispatch.mismatch` applies
-the twin's tolerance rule (the kernel tests' rule). A kernel that raises (a compile failure, out of shared
+`check_kernels(cfg, device)` runs one check per kernel (`dispatch.KERNELS`) at the model's own shapes (every dense
+GEMM shape of the model in both tilings, `linear_shapes`; the LM head's vocab at an N of the same compiled variant;
+the layer and q / k norms; each MLP width; the model's expert count), so a pass covers the variants Triton compiles
+for the real weights. The kernel wrapper writes into NaN-poisoned output buffers, the twin computes the same from
+the same inputs, and `dispatch.mismatch` applies the tolerance of the output's dtype, reduction length and
+accumulation (each check names its `dispatch.Accumulation`: a GEMM's K, a norm's row, a recurrence's terms, the
+operands a kernel rounds). A kernel that raises (a compile failure, out of shared
 memory, a launch error) or does not match is replaced by its twin for this process (`dispatch.fall_back`),
 named in one log line, and reported as impl "torch" (the `nextn_kernel_info` gauge, /health's detail).
 
@@ -318,7 +322,10 @@ def _gdn_prefill(c: Qwen35Config, r: _Rand) -> Outputs:
     o = _gdnp.chunked_gdn(q, k, v, g, beta, rec, slot, cur, dst, lens, qk_l2norm=True, out_dtype=r.dtype,
                           out=r.nans(2, T, nv, dv))
     o_t = _gdnp.chunked_gdn_ref(q, k, v, g, beta, rec_t, slot, cur, dst, lens, qk_l2norm=True)
-    acc = Acc(dk * T)  # IEEE fp32 dots (launch.py); each token's update adds a dk-long dot into the state
+    # each token's update adds a dk-long dot into the state; the dots' operand rounding follows the launch table's
+    # precision (IEEE fp32 for every dtype, launch.py; TF32 would be U_TF32)
+    ieee = _launch.get("gdn_prefill", r.dtype, r.device, dk=dk, dv=dv)["IEEE"]
+    acc = Acc(dk * T, 0.0 if ieee else ops.U_TF32)
     return [("output", o[0], o_t[0], acc), ("short row", o[1, :9], o_t[1, :9], acc),
             ("states", rec[slot, dst], rec_t[slot, dst], acc)]
 

@@ -5,7 +5,9 @@ and the whole model.
     python bench/gpu.py             on a GPU, one call of at most 8 minutes (--budget-s, default 360), in order:
                                     selfcheck: the launch table of this device (every kernel's config and its
                                       shared-memory estimate vs the device's limit) and the startup self-check
-                                      at the 9B shape (each kernel vs its twin, as `nextn serve` runs it);
+                                      at the 9B shape (each kernel vs its twin at the model's own shapes, with
+                                      the dtype / reduction-length tolerance, as `nextn serve` runs it; what
+                                      every target compiles is bench/compile_targets.py's, no GPU needed);
                                     prefill: the prefill kernels (which the model's prefill calls) called
                                       directly at the 9B shape for 512, 4k and 32k-token prompts (GDN chunk
                                       kernel vs the torch chunked form, prefill attention vs causal SDPA,

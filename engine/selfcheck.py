@@ -1,9 +1,13 @@
 """Kernels meet the device at startup: every Triton kernel of the model's path is compiled for the model's shapes
 and dtype and compared with its torch twin on random inputs on the device, before the first request.
 
-`check_kernels(cfg, device)` runs one check per kernel (`dispatch.KERNELS`): the kernel wrapper writes into
-NaN-poisoned output buffers, the twin computes the same from the same inputs, and `dispatch.mismatch` applies
-the twin's tolerance rule (the kernel tests' rule). A kernel that raises (a compile failure, out of shared
+`check_kernels(cfg, device)` runs one check per kernel (`dispatch.KERNELS`) at the model's own shapes (every dense
+GEMM shape of the model in both tilings, `linear_shapes`; the LM head's vocab at an N of the same compiled variant;
+the layer and q / k norms; each MLP width; the model's expert count), so a pass covers the variants Triton compiles
+for the real weights. The kernel wrapper writes into NaN-poisoned output buffers, the twin computes the same from
+the same inputs, and `dispatch.mismatch` applies the tolerance of the output's dtype, reduction length and
+accumulation (each check names its `dispatch.Accumulation`: a GEMM's K, a norm's row, a recurrence's terms, the
+operands a kernel rounds). A kernel that raises (a compile failure, out of shared
 memory, a launch error) or does not match is replaced by its twin for this process (`dispatch.fall_back`),
 named in one log line, and reported as impl "torch" (the `nextn_kernel_info` gauge, /health's detail).
 
@@ -34,6 +38,7 @@ from .model.ops import attention_prefill as _attnp
 from .model.ops import dispatch as ops
 from .model.ops import gdn_prefill as _gdnp
 from .model.ops import gdn_update as _gdn
+from .model.ops import launch as _launch
 from .model.ops import matmul as _mm
 from .model.ops import matmul_fp8 as _fp8
 from .model.ops import norm as _norm
@@ -41,7 +46,13 @@ from .model.ops import sample as _sample
 
 log = logging.getLogger(__name__)
 
-Outputs = list[tuple[str, torch.Tensor, torch.Tensor]]  # (what, kernel's, twin's)
+Acc = ops.Accumulation
+#: (what, kernel's, twin's) or (what, kernel's, twin's, how the kernel accumulated it: the tolerance's Accumulation)
+Outputs = list[tuple]
+
+#: the largest N a matmul check allocates; a longer weight (the LM head's vocab) is checked at an N of the same compiled
+#: variant (`_variant_n`)
+MAX_CHECK_N = 16384
 
 
 class KernelCheckFailed(RuntimeError):
@@ -103,15 +114,62 @@ class _Rand:
 # One function per kernel: (config, inputs) -> [(what, kernel output, twin output)], at the model's head sizes,
 # hidden size and dtype, with few rows (the shapes a kernel's compiled variant depends on).
 
+def linear_shapes(c: Qwen35Config) -> list[tuple[str, int, int, torch.dtype | None]]:
+    """(what, N, K, out_dtype) of every dense GEMM `c`'s model runs (engine/model/qwen35.py, moe.py), distinct, the
+    fused weights (`fuse_linears`: q|k|v, the GDN's qkv|z|b|a, the MLP's gate|up) and their pieces (an unfused
+    model, an FP8 piece): attention and GDN projections, the dense MLP or the MoE router, shared expert and its
+    gate (N = 1), the MTP head's fc, and the LM head (fp32 logits). The MoE experts are `grouped_matmul`'s."""
+    H, hd, nh, nkv = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads
+    out: list[tuple[str, int, int, torch.dtype | None]] = []
+    if "full_attention" in c.layer_types or c.has_mtp:
+        out += [("attn q|k|v", 2 * nh * hd + 2 * nkv * hd, H, None), ("attn q", 2 * nh * hd, H, None),
+                ("attn k", nkv * hd, H, None), ("attn o", H, nh * hd, None)]
+    if "linear_attention" in c.layer_types:
+        C, nv, dv = c.gdn_conv_dim, c.linear_num_value_heads, c.linear_value_head_dim
+        out += [("gdn qkv|z|b|a", C + nv * dv + 2 * nv, H, None), ("gdn qkv", C, H, None),
+                ("gdn z", nv * dv, H, None), ("gdn b", nv, H, None), ("gdn out", H, nv * dv, None)]
+    mlps = [("shared", c.shared_expert_intermediate_size)] if c.is_moe else [("mlp", c.intermediate_size)]
+    for name, inner in mlps:
+        out += [(f"{name} gate|up", 2 * inner, H, None), (f"{name} gate", inner, H, None),
+                (f"{name} down", H, inner, None)]
+    if c.is_moe:
+        out += [("router", c.num_experts, H, None), ("shared gate", 1, H, None)]
+    if c.has_mtp:
+        out.append(("mtp fc", H, 2 * H, None))
+    out.append(("lm head", c.vocab_size, H, torch.float32))
+    distinct: dict[tuple[int, int, torch.dtype | None], str] = {}
+    for what, N, K, odt in out:
+        distinct.setdefault((N, K, odt), what)
+    return [(what, N, K, odt) for (N, K, odt), what in distinct.items()]
+
+
+def _variant_n(N: int, K: int, cfg: _launch.Launch, phase: str,
+               config: Callable[[int, int, _launch.Launch], tuple[int, int]]) -> int:
+    """N itself up to MAX_CHECK_N; beyond, the smallest N' >= MAX_CHECK_N that compiles and runs the same variant of
+    the matmul kernel as N: N' = N mod BN (the same partial last tile; so the same divisibility by 16, Triton's
+    specialisation of N and of y's row stride) and the same K split (`config`: matmul_config or fp8_config; the
+    prefill tiling never splits)."""
+    if N <= MAX_CHECK_N:
+        return N
+    split = (lambda n: 1) if phase == "prefill" else (lambda n: config(n, K, cfg))
+    bn = cfg["BN"]
+    n = MAX_CHECK_N - MAX_CHECK_N % bn + N % bn
+    for _ in range(4096):
+        if split(n) == split(N):
+            return n
+        n += bn
+    return N
+
+
 def _matmul(c: Qwen35Config, r: _Rand) -> Outputs:
-    H, inner = c.hidden_size, c.intermediate_size or c.moe_intermediate_size or c.hidden_size
+    """Every dense GEMM shape of the model (`linear_shapes`) in both tilings, 3 rows each."""
     out = []
-    # the LM head (fp32 logits, many N tiles: no K split), a narrow weight (a K split), the prefill tiling
-    for N, K, odt, phase in ((min(c.vocab_size, 8549), H, torch.float32, "step"), (200, inner, None, "step"),
-                             (264, H, None, "prefill")):
-        w, x = r.randn(N, K, scale=K ** -0.5), r.randn(3, K)
-        y = _mm.matmul(x, w, odt, out=r.nans(3, N, dtype=odt), phase=phase)
-        out.append((f"[{N}x{K}] {phase}", y, _mm.matmul_ref(x, w, odt)))
+    for what, N, K, odt in linear_shapes(c):
+        for phase in _mm.PHASES:
+            n = _variant_n(N, K, _launch.get(f"matmul/{phase}", r.dtype, r.device), phase, _mm.matmul_config)
+            w, x = r.randn(n, K, scale=K ** -0.5), r.randn(3, K)
+            y = _mm.matmul(x, w, odt, out=r.nans(3, n, dtype=odt), phase=phase)
+            out.append((f"{what} [{n}x{K}] {phase}", y, _mm.matmul_ref(x, w, odt), Acc(K)))
     return out
 
 
@@ -125,40 +183,47 @@ def _fp8_weight(r: _Rand, *shape: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _matmul_fp8(c: Qwen35Config, r: _Rand) -> Outputs:
     """The W8A16 matmul (FP8 models only): the LM-head-like and a K-split weight in the step tiling, the prefill
     tiling, a fused weight with a scale row map (pieces off the 128-row blocks), and the MoE experts' form."""
-    H, inner = c.hidden_size, c.intermediate_size or c.moe_intermediate_size or c.hidden_size
+    H = c.hidden_size
     out = []
-    for N, K, odt, phase in ((min(c.vocab_size, 8549), H, torch.float32, "step"), (200, inner, None, "step"),
-                             (264, H, None, "prefill")):
-        q, s = _fp8_weight(r, N, K)
-        x = r.randn(3, K)
-        y = _fp8.matmul_fp8(x, q, s, out_dtype=odt, out=r.nans(3, N, dtype=odt), phase=phase)
-        out.append((f"[{N}x{K}] {phase}", y, _fp8.matmul_fp8_ref(x, q, s, out_dtype=odt)))
+    for what, N, K, odt in linear_shapes(c):
+        for phase in _mm.PHASES:
+            n = _variant_n(N, K, _launch.get(f"matmul_fp8/{phase}", r.dtype, r.device), phase, _fp8.fp8_config)
+            q, s = _fp8_weight(r, n, K)
+            x = r.randn(3, K)
+            y = _fp8.matmul_fp8(x, q, s, out_dtype=odt, out=r.nans(3, n, dtype=odt), phase=phase)
+            out.append((f"{what} [{n}x{K}] {phase}", y, _fp8.matmul_fp8_ref(x, q, s, out_dtype=odt), Acc(K)))
     w, _ = _fp8.fuse([_fp8.mark(*_fp8_weight(r, n, H)) for n in (96, 200)])
     s, rows = _fp8.scales(w)
     x = r.randn(3, H)
     out.append(("fused, row map", _fp8.matmul_fp8(x, w, s, rows, out=r.nans(3, 296)),
-                _fp8.matmul_fp8_ref(x, w, s, rows)))
-    if c.is_moe:
-        E, k, Im = min(c.num_experts, 4), min(c.num_experts_per_tok, 2), c.moe_intermediate_size
-        q, s = _fp8_weight(r, E, 2 * Im, H)
+                _fp8.matmul_fp8_ref(x, w, s, rows), Acc(H)))
+    if c.is_moe:  # the model's E: one expert's weight and scales expanded to E (as `_grouped`)
+        E, k, Im = c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size
+        q, s = (t.expand(E, *t.shape[1:]) for t in _fp8_weight(r, 1, 2 * Im, H))
         x = r.randn(5, H)
         idx = torch.stack([torch.randperm(E, generator=r.g, device=r.device)[:k] for _ in range(5)])  # [5, k]
         order, offsets = _mm.group_by_expert(idx, E)
         rows = order // k
         out.append(("grouped", _fp8.grouped_matmul_fp8(x, q, s, offsets, rows),
-                    _fp8.grouped_matmul_fp8_ref(x, q, s, offsets, rows)))
+                    _fp8.grouped_matmul_fp8_ref(x, q, s, offsets, rows), Acc(H)))
     return out
 
 
 def _grouped(c: Qwen35Config, r: _Rand) -> Outputs:
-    E, k = min(c.num_experts, 4), min(c.num_experts_per_tok, 2)
-    H, Im = c.hidden_size, c.moe_intermediate_size
-    x, w = r.randn(5, H), r.randn(E, 2 * Im, H, scale=H ** -0.5)
+    """The experts' gate|up and down at the model's E, top-k and sizes. The weight is one expert's, expanded to E
+    (expert stride 0: Triton specialises it as it does the real stride, a multiple of 16), not E experts' memory."""
+    E, k, H, Im = c.num_experts, c.num_experts_per_tok, c.hidden_size, c.moe_intermediate_size
     idx = torch.stack([torch.randperm(E, generator=r.g, device=r.device)[:k] for _ in range(5)])  # [5, k]
     order, offsets = _mm.group_by_expert(idx, E)
     rows = order // k
-    y = _mm.grouped_matmul(x, w, offsets, rows, out=r.nans(5 * k, 2 * Im))
-    return [("gate_up", y, _mm.grouped_matmul_ref(x, w, offsets, rows))]
+    x = r.randn(5, H)
+    gu = r.randn(1, 2 * Im, H, scale=H ** -0.5).expand(E, -1, -1)
+    y = _mm.grouped_matmul(x, gu, offsets, rows, out=r.nans(5 * k, 2 * Im))
+    h = r.randn(5 * k, Im)
+    down = r.randn(1, H, Im, scale=Im ** -0.5).expand(E, -1, -1)
+    y2 = _mm.grouped_matmul(h, down, offsets, out=r.nans(5 * k, H))
+    return [("gate_up", y, _mm.grouped_matmul_ref(x, gu, offsets, rows), Acc(H)),
+            ("down", y2, _mm.grouped_matmul_ref(h, down, offsets), Acc(Im))]
 
 
 def _moe_combine(c: Qwen35Config, r: _Rand) -> Outputs:
@@ -167,13 +232,21 @@ def _moe_combine(c: Qwen35Config, r: _Rand) -> Outputs:
     w = torch.softmax(r.randn(N, k, dtype=torch.float32), -1).to(r.dtype)
     sh, sg = r.randn(N, H), r.randn(N, 1)
     got = _act.moe_combine(y, inv, w, sh, sg, out=r.nans(N, H))
-    return [("combine", got, _act.moe_combine_ref(y, inv, w, sh, sg))]
+    return [("combine", got, _act.moe_combine_ref(y, inv, w, sh, sg), Acc(k + 1))]
 
 
 def _rms_norm(c: Qwen35Config, r: _Rand) -> Outputs:
-    x, w = r.randn(3, c.hidden_size), r.randn(c.hidden_size, scale=0.1)
-    return [("norm", _norm.rms_norm(x, w, c.rms_norm_eps, out=r.nans(3, c.hidden_size)),
-             _norm.rms_norm_ref(x, w, c.rms_norm_eps))]
+    """The layer norms (rows of H) and the attention's q / k norms (rows of head_dim, [N, T, heads, hd] views)."""
+    out = []
+    shapes = [("hidden", (3, c.hidden_size))]
+    if "full_attention" in c.layer_types or c.has_mtp:
+        shapes += [("q norm", (2, 3, c.num_attention_heads, c.head_dim)),
+                   ("k norm", (2, 3, c.num_key_value_heads, c.head_dim))]
+    for what, shape in shapes:
+        x, w = r.randn(*shape), r.randn(shape[-1], scale=0.1)
+        out.append((what, _norm.rms_norm(x, w, c.rms_norm_eps, out=r.nans(*shape)),
+                    _norm.rms_norm_ref(x, w, c.rms_norm_eps), Acc(shape[-1])))
+    return out
 
 
 def _add_rms_norm(c: Qwen35Config, r: _Rand) -> Outputs:
@@ -181,14 +254,14 @@ def _add_rms_norm(c: Qwen35Config, r: _Rand) -> Outputs:
     x, res, w = r.randn(3, H), r.randn(3, H), r.randn(H, scale=0.1)
     y, s = _norm.add_rms_norm(x, res, w, c.rms_norm_eps, out=r.nans(3, H), out_sum=r.nans(3, H))
     y_t, s_t = _norm.add_rms_norm_ref(x, res, w, c.rms_norm_eps)
-    return [("norm", y, y_t), ("sum", s, s_t)]
+    return [("norm", y, y_t, Acc(H)), ("sum", s, s_t)]
 
 
 def _gated_rms_norm(c: Qwen35Config, r: _Rand) -> Outputs:
     nv, dv = c.linear_num_value_heads, c.linear_value_head_dim
     x, z, w = r.randn(3, nv, dv), r.randn(3, nv, dv), 1 + r.randn(dv, scale=0.1)
     return [("norm", _norm.gated_rms_norm(x, z, w, c.rms_norm_eps, out=r.nans(3, nv, dv)),
-             _norm.gated_rms_norm_ref(x, z, w, c.rms_norm_eps))]
+             _norm.gated_rms_norm_ref(x, z, w, c.rms_norm_eps), Acc(dv))]
 
 
 def _attention(c: Qwen35Config, r: _Rand) -> Outputs:
@@ -197,7 +270,7 @@ def _attention(c: Qwen35Config, r: _Rand) -> Outputs:
     q, gate = r.randn(2, T, nh, hd), r.randn(2, T, nh, hd)
     slot, pos0 = r.idx(2, 0), r.idx(290, 37)  # 293 keys: two KV splits; 40: one
     o = _attn.attention(q, kc, vc, slot, pos0, hd ** -0.5, gate, out=r.nans(2, T, nh, hd))
-    return [("gated", o, _attn.attention_ref(q, kc, vc, slot, pos0, hd ** -0.5, gate))]
+    return [("gated", o, _attn.attention_ref(q, kc, vc, slot, pos0, hd ** -0.5, gate), _attn_acc(hd, L, r.dtype))]
 
 
 def _attention_prefill(c: Qwen35Config, r: _Rand) -> Outputs:
@@ -206,7 +279,14 @@ def _attention_prefill(c: Qwen35Config, r: _Rand) -> Outputs:
     q, gate = r.randn(2, T, nh, hd), r.randn(2, T, nh, hd)
     slot, pos0 = r.idx(2, 0), r.idx(64, 3)  # a chunk on the grid, and one at any position
     o = _attnp.prefill_attention(q, kc, vc, slot, pos0, hd ** -0.5, gate, out=r.nans(2, T, nh, hd))
-    return [("causal", o, _attnp.prefill_attention_ref(q, kc, vc, slot, pos0, hd ** -0.5, gate))]
+    return [("causal", o, _attnp.prefill_attention_ref(q, kc, vc, slot, pos0, hd ** -0.5, gate),
+             _attn_acc(hd, L, r.dtype))]
+
+
+def _attn_acc(hd: int, keys: int, dtype: torch.dtype) -> ops.Accumulation:
+    """Attention's accumulation: q.k over hd, p.v over the keys; with 16-bit KV the kernel casts the probabilities to
+    the KV dtype for the p.v dot (an operand its fp32 twin keeps)."""
+    return Acc(hd + keys, ops.U_BF16 if dtype in (torch.bfloat16, torch.float16) else 0.0)
 
 
 def _gdn_window(r: _Rand, shape: tuple[int, ...], dtype: torch.dtype, slot: torch.Tensor, T: int) -> torch.Tensor:
@@ -226,7 +306,8 @@ def _gdn_update(c: Qwen35Config, r: _Rand) -> Outputs:
     rec_t = rec.clone()
     o = _gdn.gdn_update(q, k, v, g, beta, rec, slot, cur, qk_l2norm=True, out=r.nans(2, T, nv, dv))
     o_t = _gdn.gdn_update_ref(q, k, v, g, beta, rec_t, slot, cur, qk_l2norm=True)
-    return [("output", o, o_t), ("states", rec[slot, :T], rec_t[slot, :T])]
+    acc = Acc(dk * T)  # each token's update adds a dk-long dot into the state
+    return [("output", o, o_t, acc), ("states", rec[slot, :T], rec_t[slot, :T], acc)]
 
 
 def _gdn_prefill(c: Qwen35Config, r: _Rand) -> Outputs:
@@ -241,8 +322,12 @@ def _gdn_prefill(c: Qwen35Config, r: _Rand) -> Outputs:
     o = _gdnp.chunked_gdn(q, k, v, g, beta, rec, slot, cur, dst, lens, qk_l2norm=True, out_dtype=r.dtype,
                           out=r.nans(2, T, nv, dv))
     o_t = _gdnp.chunked_gdn_ref(q, k, v, g, beta, rec_t, slot, cur, dst, lens, qk_l2norm=True)
-    return [("output", o[0], o_t[0]), ("short row", o[1, :9], o_t[1, :9]),
-            ("states", rec[slot, dst], rec_t[slot, dst])]
+    # each token's update adds a dk-long dot into the state; the dots' operand rounding follows the launch table's
+    # precision (IEEE fp32 for every dtype, launch.py; TF32 would be U_TF32)
+    ieee = _launch.get("gdn_prefill", r.dtype, r.device, dk=dk, dv=dv)["IEEE"]
+    acc = Acc(dk * T, 0.0 if ieee else ops.U_TF32)
+    return [("output", o[0], o_t[0], acc), ("short row", o[1, :9], o_t[1, :9], acc),
+            ("states", rec[slot, dst], rec_t[slot, dst], acc)]
 
 
 def _conv_update(c: Qwen35Config, r: _Rand) -> Outputs:
@@ -253,7 +338,8 @@ def _conv_update(c: Qwen35Config, r: _Rand) -> Outputs:
     conv_t = conv.float()
     y = _gdn.conv_update(x, conv, w, slot, cur, out=r.nans(2, T, C))
     y_t = _gdn.conv_update_ref(x.float(), conv_t, w.float(), slot, cur)  # the kernel sums the taps in fp32
-    return [("output", y, y_t.to(r.dtype)), ("windows", conv[slot, :T], conv_t[slot, :T].to(r.dtype))]
+    return [("output", y, y_t.to(r.dtype), Acc(c.linear_conv_kernel_dim)),
+            ("windows", conv[slot, :T], conv_t[slot, :T].to(r.dtype))]
 
 
 def _gdn_gates(c: Qwen35Config, r: _Rand) -> Outputs:
@@ -266,9 +352,13 @@ def _gdn_gates(c: Qwen35Config, r: _Rand) -> Outputs:
 
 
 def _silu_mul(c: Qwen35Config, r: _Rand) -> Outputs:
-    inner = c.intermediate_size or c.moe_intermediate_size or c.hidden_size
-    gu = r.randn(3, 2 * inner, scale=2.0)
-    return [("swiglu", _act.silu_mul(gu, out=r.nans(3, inner)), _act.silu_mul_ref(gu))]
+    """At each MLP width of the model (the dense MLP's; a MoE's experts and shared expert)."""
+    inners = [c.moe_intermediate_size, c.shared_expert_intermediate_size] if c.is_moe else [c.intermediate_size]
+    out = []
+    for inner in dict.fromkeys(i for i in inners if i):
+        gu = r.randn(3, 2 * inner, scale=2.0)
+        out.append((f"swiglu {inner}", _act.silu_mul(gu, out=r.nans(3, inner)), _act.silu_mul_ref(gu)))
+    return out
 
 
 def _argmax(c: Qwen35Config, r: _Rand) -> Outputs:
@@ -314,7 +404,7 @@ def _one(name: str, cfg: Qwen35Config, device: torch.device) -> KernelCheck:
     try:
         with torch.inference_mode():
             outs = CHECKS[name](cfg, _Rand(device, cfg.dtype))
-            bad = [f"{what}: {why}" for what, got, want in outs if (why := ops.mismatch(got, want)) is not None]
+            bad = [f"{o[0]}: {why}" for o in outs if (why := ops.mismatch(*o[1:])) is not None]
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
     except Exception as e:  # noqa: BLE001 - any failure (compile, resources, launch) sends the op to its twin

@@ -98,3 +98,12 @@ def test_every_launch_takes_its_config_from_the_table():
                 bad.append(f"{path.name}:{node.lineno} {ast.unparse(node.func.value)}")
     assert not bad, bad
 
+
+
+def test_the_gdn_prefill_dots_are_ieee_fp32_for_every_model_dtype():
+    """The chunked GDN prefill's dots take fp32 operands and feed the fp32 recurrent state: never TF32 (10-bit
+    mantissas), whatever the model's dtype, on every tier; a bf16 model's self-check compares those states at the
+    fp32 accumulation bound (tests/test_tolerance.py shows TF32 fails it)."""
+    for cc in [None, *launch.DEVICE_CLASSES.values()]:
+        for dt in (torch.bfloat16, torch.float16, torch.float32):
+            assert launch.choose("gdn_prefill", dt, cc, dk=128, dv=128)["IEEE"] == 1, (cc, dt)

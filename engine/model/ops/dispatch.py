@@ -20,7 +20,9 @@ path enters it; outside it, CPU tensors take the torch path (and `argmax` the C 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -37,6 +39,7 @@ from . import sample as _sample
 from ._triton import HAS_TRITON
 
 __all__ = ["HAS_TRITON", "KERNELS", "use_triton", "use_kernel", "fall_back", "kernel_impls", "mismatch", "tolerance",
+           "bounds", "Accumulation", "Bounds",
            "force_kernels", "linear", "grouped_linear", "fp8_linear", "rms_norm", "add_rms_norm", "gated_rms_norm",
            "attention", "attention_prefill", "write_kv", "gdn_update", "gdn_prefill", "conv_update", "gdn_gates", "silu_mul",
            "moe_combine", "argmax", "sample"]
@@ -50,9 +53,16 @@ KERNELS = ("matmul", "grouped_matmul", "rms_norm", "add_rms_norm", "gated_rms_no
 _FORCED = False
 _TWIN: dict[str, str] = {}  # kernel -> why this process runs its twin instead
 
-#: kernel vs twin: (rtol, atol) when both are fp32 (or fp64); any 16-bit side: about one bf16 rounding step
+#: kernel vs twin, per element, before the accumulation allowance: (rtol, atol) when both are fp32 (or fp64); any
+#: 16-bit side: about one bf16 rounding step
 TOL_FP32 = (1e-5, 1e-5)
 TOL_16BIT = (1.6e-2, 1e-2)
+#: unit roundoffs: fp32 sums; a dot operand rounded to TF32 (10 stored mantissa bits) or to bf16 / fp16
+U_FP32, U_TF32, U_BF16, U_FP16 = 2.0 ** -24, 2.0 ** -11, 2.0 ** -9, 2.0 ** -12
+#: the accumulation allowance in units of the expected noise (`Accumulation.noise`): per element (the largest of
+#: up to ~10^6 outputs of a check, about 5 standard deviations, with room for MMA adders that truncate), and for the
+#: whole output's norm (an average: no tail to cover). tests/test_tolerance.py measures the margins.
+C_ELEM, C_NORM = 16.0, 4.0
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -85,15 +95,72 @@ def reset_fallbacks() -> None:
 
 
 def tolerance(got: torch.dtype, want: torch.dtype) -> tuple[float, float]:
-    """(rtol, atol) a kernel's output of dtype `got` must meet against its twin's of dtype `want`."""
+    """(rtol, atol) a kernel's output of dtype `got` must meet per element against its twin's of dtype `want`,
+    before the accumulation allowance (`bounds`): the kernel tests' rule for small inputs."""
     wide = (torch.float32, torch.float64)
     return TOL_FP32 if got in wide and want in wide else TOL_16BIT
 
 
-def mismatch(got: torch.Tensor, want: torch.Tensor) -> str | None:
+@dataclass(frozen=True)
+class Accumulation:
+    """How a kernel computes an output element, as far as its difference from the twin goes: `k`, the length of the
+    longest chain of fp32 sums feeding it (a GEMM's K, a norm's row, a recurrence's terms); `operand_u`, the unit
+    roundoff of dot operands the kernel rounds and its twin does not (0: exact products, as bf16 x bf16 into fp32
+    or IEEE fp32 dots; U_TF32: TF32 dots; U_BF16: an fp32 operand cast to bf16, as attention's probabilities).
+
+    `noise` is the expected |kernel - twin| relative to the output's RMS for random zero-mean inputs (the self-
+    check's): U_FP32 sqrt(k) for two fp32 summation orders (the random-walk bound; a GPU's MMA order vs
+    cuBLAS's), plus operand_u for the rounded operands."""
+
+    k: int = 1
+    operand_u: float = 0.0
+
+    @property
+    def noise(self) -> float:
+        return U_FP32 * math.sqrt(max(1, self.k)) + self.operand_u
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """What `mismatch` allows: per element |got - want| <= atol + rtol |want| + elem * rms(want), and for the whole
+    output ||got - want||_2 <= norm * ||want||_2."""
+
+    rtol: float
+    atol: float
+    elem: float
+    norm: float
+
+
+_WIDE = (torch.float32, torch.float64)
+
+
+def _half_ulp(dtype: torch.dtype) -> float:
+    """Half of the smallest relative spacing of `dtype` (2^-mantissa_bits / 2): a 1-ulp error in every element
+    moves the whole output by at least twice this, relative to its norm."""
+    return {torch.bfloat16: 2.0 ** -9, torch.float16: 2.0 ** -12}.get(dtype, 2.0 ** -25)
+
+
+def bounds(got: torch.dtype, want: torch.dtype, acc: Accumulation = Accumulation()) -> Bounds:
+    """The tolerance of a kernel's output (dtype `got`) against its twin's (`want`), following the dtype, the
+    reduction length and the accumulation mode (`acc`):
+
+    * per element: `tolerance`'s (rtol, atol) plus C_ELEM * acc.noise * rms(want) (the accumulation noise is
+      absolute, at the scale of the whole output, not of the element: an output near 0 gets the same allowance);
+    * for the norm of the difference: C_NORM * acc.noise, but for a 16-bit output never below half an ulp
+      (`_half_ulp`) and for fp32 never below TOL_FP32's rtol. Two correct roundings of nearly equal fp32 values
+      differ by one ulp only where a rounding boundary falls between them (a fraction of about noise / ulp of the
+      elements), so a correct kernel stays far below this while a defect that moves every element by one ulp of a
+      16-bit output, or rounds an fp32 output or partial sum through bf16, lands above it."""
+    rtol, atol = tolerance(got, want)
+    n = acc.noise
+    floor = max(_half_ulp(got), _half_ulp(want)) if got not in _WIDE or want not in _WIDE else TOL_FP32[0]
+    return Bounds(rtol, atol, C_ELEM * n, max(floor, C_NORM * n))
+
+
+def mismatch(got: torch.Tensor, want: torch.Tensor, acc: Accumulation = Accumulation()) -> str | None:
     """Why a kernel's output `got` does not match its twin's `want` (None: it does): a shape difference, NaN
     where the twin has a number (an element not written into a NaN-poisoned buffer, or bad math), integers that
-    differ, or floats beyond `tolerance` (|got - want| <= atol + rtol |want|)."""
+    differ, or floats beyond `bounds(got.dtype, want.dtype, acc)` (per element, or in norm)."""
     if got.shape != want.shape:
         return f"shape {tuple(got.shape)} != twin's {tuple(want.shape)}"
     if not got.is_floating_point():
@@ -103,12 +170,19 @@ def mismatch(got: torch.Tensor, want: torch.Tensor) -> str | None:
     nan = g.isnan() & ~w.isnan()
     if nan.any():
         return f"{int(nan.sum())} of {got.numel()} outputs are NaN (not written, or bad math)"
-    rtol, atol = tolerance(got.dtype, want.dtype)
+    b = bounds(got.dtype, want.dtype, acc)
+    both = g.isnan() & w.isnan()
+    g, w = g.masked_fill(both, 0.0), w.masked_fill(both, 0.0)
+    rms = w.square().mean().sqrt().item() if w.numel() else 0.0
     err = (g - w).abs()
-    bad = (err > atol + rtol * w.abs()) & ~(g.isnan() & w.isnan())
+    bad = err > b.atol + b.rtol * w.abs() + b.elem * rms
     if bad.any():
         return f"{int(bad.sum())} of {got.numel()} outputs off the twin by up to {err[bad].max().item():.3g} " \
-               f"(rtol {rtol:g}, atol {atol:g})"
+               f"(rtol {b.rtol:g}, atol {b.atol:g}, {b.elem:.3g} x rms {rms:.3g})"
+    rel = err.norm().item() / max(w.norm().item(), 1e-30)
+    if rel > b.norm:
+        return f"off the twin by {rel:.3g} of the output's norm (bound {b.norm:.3g}: dtype " \
+               f"{str(got.dtype).removeprefix('torch.')}, reduction k={acc.k}, operand roundoff {acc.operand_u:g})"
     return None
 
 

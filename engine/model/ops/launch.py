@@ -31,8 +31,9 @@ else is in the step, so a request never mixes the two for the same math.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -206,10 +207,16 @@ def _smem_gdn_update(c: Launch, dt: torch.dtype, d: dict) -> int:
 
 
 def _gdn_prefill(t: str, dt: torch.dtype, d: dict) -> Launch:
-    """Chunked GDN prefill: one program per (row, value head, dv block) walks its chunks in order. IEEE: fp32 dots
-    without TF32 for fp32 models; 16-bit models let the MMA run TF32 (the twin comparison's bf16 tolerance)."""
+    """Chunked GDN prefill: one program per (row, value head, dv block) walks its chunks in order. IEEE = 1 for
+    every model dtype: every dot of the kernel has fp32 operands (the state, the UT transform, the normalised q/k)
+    and feeds the fp32 recurrent state that later chunks, later prompt blocks and every decode step build on, so
+    the dots run in IEEE fp32, never TF32 (10-bit mantissas: about 1e-3 relative per product, compounded over the
+    prompt's chunks, where the fp32 pool promises fp32 states and the self-check compares them at the fp32
+    accumulation tolerance, dispatch.bounds). 16 warps: IEEE dots lower to FMA loops unrolled over each thread's
+    share of the tile, so more threads mean less code per thread (sm_90: 26k PTX lines and 76 s to compile at 4 warps,
+    8k lines and 18 s at 16; registers 32 and no spills either way; bench/compile_targets.py)."""
     bv = min(32, _p2(d["dv"]))
-    return L(4, 1, CHUNK=64, BK=_p2(d["dk"]), BV=bv, IEEE=int(dt == torch.float32))
+    return L(16, 1, CHUNK=64, BK=_p2(d["dk"]), BV=bv, IEEE=1)
 
 
 def _smem_gdn_prefill(c: Launch, dt: torch.dtype, d: dict) -> int:
@@ -250,6 +257,10 @@ def _smem_reduce_index(c: Launch, dt: torch.dtype, d: dict) -> int:
     return next(v for k, v in c.blocks if k in ("CHUNK", "BLOCK")) * 8  # value + index of an argmax reduction
 
 
+def _smem_block_fp32(c: Launch, dt: torch.dtype, d: dict) -> int:
+    return c["BLOCK"] * 4  # the split reduction's store converts its [BLOCK] fp32 layout through shared memory
+
+
 def _none(c: Launch, dt: torch.dtype, d: dict) -> int:
     return 0  # elementwise: no tile goes through shared memory
 
@@ -270,7 +281,7 @@ TABLE: dict[str, Entry] = {
     "matmul/step": Entry(("matmul._matmul_kernel",), (), _matmul_step, _smem_matmul),
     "matmul/prefill": Entry(("matmul._matmul_kernel",), (), _matmul_prefill, _smem_matmul),
     "matmul/grouped": Entry(("matmul._matmul_kernel",), (), _matmul_grouped, _smem_matmul),
-    "matmul/split_reduce": Entry(("matmul._split_reduce_kernel",), (), _elementwise(1024), _none),
+    "matmul/split_reduce": Entry(("matmul._split_reduce_kernel",), (), _elementwise(1024), _smem_block_fp32),
     "attention": Entry(("attention._attn_split_kernel",), ("hd",), _attention, _smem_attention),
     "attention/merge": Entry(("attention._attn_merge_kernel",), ("hd",), _attention_merge, _smem_vector),
     "attention_prefill": Entry(("attention_prefill._attn_prefill_kernel",), ("hd",), _attention_prefill,
@@ -291,9 +302,29 @@ TABLE: dict[str, Entry] = {
 }
 
 
+_TARGET: list[tuple[tuple[int, int], list]] = []  # `compile_target`'s stack: (cc, the choices made inside)
+
+
+@contextlib.contextmanager
+def compile_target(cc: tuple[int, int]) -> Iterator[list[tuple[str, torch.dtype, dict, Launch]]]:
+    """TOOLS ONLY (bench/compile_targets.py): inside, `capability` answers `cc` for a tensor on the "meta" device, so
+    the kernel wrappers choose the launch configs (and the FP8 decode) of that target while their launches are
+    recorded for compiling, not run; yields the list of (kernel, dtype, dims, config) that `get` chose for meta
+    tensors, in order. Nothing in the serving path holds meta tensors."""
+    chosen: list[tuple[str, torch.dtype, dict, Launch]] = []
+    _TARGET.append((tuple(cc), chosen))  # type: ignore[arg-type]
+    try:
+        yield chosen
+    finally:
+        _TARGET.pop()
+
+
 def capability(device: torch.device | str) -> tuple[int, int] | None:
-    """Compute capability of a CUDA device (None for any other device: the interpreter's configs)."""
+    """Compute capability of a CUDA device (None for any other device: the interpreter's configs; a meta tensor
+    inside `compile_target(cc)`: cc)."""
     dev = torch.device(device)
+    if dev.type == "meta" and _TARGET:
+        return _TARGET[-1][0]
     if dev.type != "cuda":
         return None
     return _cc(dev.index if dev.index is not None else torch.cuda.current_device())
@@ -318,7 +349,10 @@ def _choose(kernel: str, dtype: torch.dtype, t: str, dims: tuple[tuple[str, int]
 
 def get(kernel: str, dtype: torch.dtype, device: torch.device | str, **dims: int) -> Launch:
     """What a kernel wrapper launches with: `choose` for the device's compute capability."""
-    return choose(kernel, dtype, capability(device), **dims)
+    cfg = choose(kernel, dtype, capability(device), **dims)
+    if _TARGET and torch.device(device).type == "meta":
+        _TARGET[-1][1].append((kernel, dtype, dims, cfg))
+    return cfg
 
 
 def smem_bytes(kernel: str, cfg: Launch, dtype: torch.dtype, **dims: int) -> int:

@@ -32,8 +32,6 @@ Twins: `matmul_fp8_ref`, `grouped_matmul_fp8_ref` (dequantize to x's dtype, then
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from . import launch
@@ -131,13 +129,8 @@ def grouped_matmul_fp8_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor
 
 def _native(q: torch.Tensor) -> bool:
     """Whether the kernel converts q's float8e4nv natively (a CUDA device of compute capability >= 8.9)."""
-    return q.is_cuda and _capability(q.device.index if q.device.index is not None else torch.cuda.current_device()) \
-        >= (8, 9)
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
+    cc = launch.capability(q.device)
+    return cc is not None and cc >= (8, 9)
 
 
 if HAS_TRITON:

@@ -166,7 +166,7 @@ def test_serve_exits_1_with_one_line_when_strict_fails(monkeypatch, capsys):
     from server import cli
     from tests.server_fixtures import tiny_checkpoint
 
-    def failing(settings, model, tokenizer):
+    def failing(settings, model, tokenizer, **kw):
         assert settings.kernels == "strict"
         raise selfcheck.KernelCheckFailed("--kernels strict: kernel attention failed its startup check (boom)")
 

@@ -12,6 +12,9 @@ serving engine is not used here). fla is blocked before transformers is imported
     python tools/train_demo_vision.py --out /tmp/demo-vl --minutes 22            # train + evaluate, write a copy
     python tools/train_demo_vision.py --out models/demo --minutes 22             # ... in place
     python tools/train_demo_vision.py --eval-only models/demo --n-eval 400       # held-out accuracy only
+    python tools/train_demo_vision.py --soft-bound 225      # the most any tower could do with the text model frozen
+    python tools/train_demo_vision.py --out /tmp/demo-vl --minutes 14 --unfreeze-lm 1e-3   # experiment: trains
+                                                            # the text model too (its weights change; not the demo)
 
 Writes into --out: config.json in the VL layout (model_type qwen3_5, text_config = the text fields, vision_config,
 the vision token ids, M-RoPE sections), model.safetensors (text tensors under HF's VL names
@@ -35,6 +38,7 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -162,7 +166,8 @@ class Prompts:
                                           self.icfg.image_token_id)
         comp = self.completion(p.answer, thinking)
         return {"ids": prompt + comp, "labels": [-100] * len(prompt) + comp, "rows": prep.pixel_rows,
-                "grid": prep.grid_thw}
+                "grid": prep.grid_thw, "attrs": (p.count - 1, list(pics.COLOURS).index(p.colour),
+                                                 pics.SHAPES.index(p.shape))}
 
 
 def collate(batch: list[dict], pad_id: int, image_id: int) -> dict[str, torch.Tensor]:
@@ -188,10 +193,12 @@ def load_hf(model_dir: Path):
 
 
 def train(model, data: Prompts, *, seed: int, minutes: float, max_steps: int, batch: int, lr: float,
-          lm_lr: float = 0.0, text_rows: int = 4) -> list[float]:
+          lm_lr: float = 0.0, text_rows: int = 4, aux: float = 0.0) -> list[float]:
     """AdamW on model.visual (the language model frozen unless lm_lr > 0), cosine schedule over the wall-clock
     budget. lm_lr > 0 (an experiment: it changes the text weights) also trains the language model, each step
-    adding the demo corpus' text loss on `text_rows` rows of 128 tokens so the text skills are kept."""
+    adding the demo corpus' text loss on `text_rows` rows of 128 tokens so the text skills are kept. aux > 0 adds
+    a probe loss (weight aux): linear heads on each image's mean and max embedding predict count, colour and shape
+    (the probe is discarded; it only speeds up the tower's learning)."""
     for p in model.parameters():
         p.requires_grad_(False)
     params = list(model.model.visual.parameters())
@@ -208,6 +215,10 @@ def train(model, data: Prompts, *, seed: int, minutes: float, max_steps: int, ba
             p.requires_grad_(True)
         groups.append({"params": lm, "lr": lm_lr, "base": lm_lr})
         text = RowStream(build_corpus(), data.tok, 128, seed + 1)
+    hidden = model.config.text_config.hidden_size
+    probe = torch.nn.Linear(2 * hidden, len(pics.COUNTS) + len(pics.COLOURS) + len(pics.SHAPES))
+    if aux > 0:
+        groups.append({"params": list(probe.parameters()), "lr": lr, "base": lr})
     opt = torch.optim.AdamW(groups, weight_decay=0.0, betas=(0.9, 0.98))
     rng = random.Random(seed)
     model.train()
@@ -221,8 +232,15 @@ def train(model, data: Prompts, *, seed: int, minutes: float, max_steps: int, ba
         for g in opt.param_groups:
             g["lr"] = g["base"] * scale
         seeds = [rng.randrange(pics.HELDOUT_SEED) for _ in range(batch)]
-        b = collate([data.example(s, rng) for s in seeds], data.tok.pad_token_id or 0, data.icfg.image_token_id)
+        exs = [data.example(s, rng) for s in seeds]
+        b = collate(exs, data.tok.pad_token_id or 0, data.icfg.image_token_id)
         loss = model(**b).loss
+        if aux > 0:
+            feats = model.model.get_image_features(b["pixel_values"], b["image_grid_thw"]).pooler_output
+            pooled = torch.stack([torch.cat([f.mean(0), f.amax(0)]) for f in feats])  # [B, 2 * hidden]
+            logits = probe(pooled).split([len(pics.COUNTS), len(pics.COLOURS), len(pics.SHAPES)], dim=-1)
+            want = torch.tensor([e["attrs"] for e in exs])  # [B, 3]
+            loss = loss + aux * sum(F.cross_entropy(lg, want[:, i]) for i, lg in enumerate(logits))
         if text is not None:
             ids, w = text.batch(text_rows)  # [R, 128] each
             logits = model(input_ids=ids[:, :-1]).logits  # [R, 127, V]
@@ -268,6 +286,43 @@ def evaluate(model, data: Prompts, n: int, question: str = "What is in this pict
     return {"n": n, **{k: v / n for k, v in hits.items()}, "wrong": wrong}
 
 
+def soft_bound(model, data: Prompts, steps: int, n: int = 8, tokens: int = 16, lr: float = 0.03) -> dict:
+    """What any vision tower could reach with the language model frozen: free image embeddings (`tokens` per
+    picture, one set per example, no tower at all) optimised by Adam to make the frozen model say n fixed answers;
+    returns the last loss and the share of examples whose answer teacher-forced greedy gets exactly right."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    img = data.icfg.image_token_id
+    rng = random.Random(0)
+    rows = []
+    for i in range(n):
+        answer = pics.picture(i).answer
+        prompt = images.expand_image_pads(data.prompt(pics.QUESTIONS[0], True, None), [tokens], img)
+        comp = data.completion(answer, None)
+        rows.append({"ids": prompt + comp, "labels": [-100] * len(prompt) + comp,
+                     "rows": torch.zeros(1, 1), "grid": (1, 4, tokens)})  # no pixels: the embeddings are free
+    b = collate(rows, data.tok.pad_token_id or 0, img)
+    ids, labels = b["input_ids"], b["labels"]
+    mask = ids == img  # [n, L]
+    pos, _ = model.model.get_rope_index(ids, image_grid_thw=b["image_grid_thw"], mm_token_type_ids=b["mm_token_type_ids"])
+    soft = torch.nn.Parameter(0.05 * torch.randn(int(mask.sum()), model.config.text_config.hidden_size,
+                                                 generator=torch.Generator().manual_seed(rng.randrange(2 ** 31))))
+    opt = torch.optim.Adam([soft], lr=lr)
+    emb_layer = model.get_input_embeddings()
+    for step in range(steps):
+        out = model(inputs_embeds=emb_layer(ids).masked_scatter(mask[..., None], soft), position_ids=pos,
+                    labels=labels)
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        opt.step()
+        if (step + 1) % 25 == 0 or step + 1 == steps:
+            pred, want = out.logits[:, :-1].argmax(-1), labels[:, 1:]  # [n, L-1] each
+            exact = ((pred == want) | (want == -100)).all(-1).float().mean().item()
+            print(f"soft-bound step {step + 1} loss {out.loss.item():.3f} teacher-forced exact {exact:.2f}",
+                  flush=True)
+    return {"steps": steps, "loss": round(out.loss.item(), 3), "exact": exact}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--src", default=str(ROOT / "models" / "demo"), help="the demo checkpoint (text or VL layout)")
@@ -280,6 +335,9 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--n-eval", type=int, default=240)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--aux", type=float, default=0.0, help="weight of the attribute probe loss on the tower")
+    ap.add_argument("--soft-bound", type=int, default=0, metavar="STEPS",
+                    help="measure the frozen-LM upper bound (free image embeddings, no tower) for STEPS and exit")
     ap.add_argument("--unfreeze-lm", type=float, default=0.0, metavar="LR",
                     help="experiment: also train the language model at this learning rate (changes text weights)")
     args = ap.parse_args()
@@ -287,6 +345,11 @@ def main() -> None:
     if args.eval_only:
         d = Path(args.eval_only)
         print(json.dumps(evaluate(load_hf(d), Prompts(d), args.n_eval)))
+        return
+    if args.soft_bound:
+        with tempfile.TemporaryDirectory() as tmp:
+            write_checkpoint(Path(args.src), Path(tmp), text_tensors(Path(args.src)), None, VISION_CONFIG)
+            print(json.dumps(soft_bound(load_hf(Path(tmp)), Prompts(Path(tmp)), args.soft_bound)))
         return
     if not args.out:
         ap.error("--out is required unless --eval-only")
@@ -301,7 +364,7 @@ def main() -> None:
         data = Prompts(work)
         t0 = time.time()
         losses = train(model, data, seed=args.seed, minutes=args.minutes, max_steps=args.max_steps,
-                       batch=args.batch, lr=args.lr, lm_lr=args.unfreeze_lm)
+                       batch=args.batch, lr=args.lr, lm_lr=args.unfreeze_lm, aux=args.aux)
         train_s = time.time() - t0
         visual = {k: v for k, v in model.model.visual.state_dict().items()}
         if args.unfreeze_lm > 0:

@@ -12,6 +12,7 @@ serving engine is not used here). fla is blocked before transformers is imported
     python tools/train_demo_vision.py --out /tmp/demo-vl --minutes 22            # train + evaluate, write a copy
     python tools/train_demo_vision.py --out models/demo --minutes 22             # ... in place
     python tools/train_demo_vision.py --eval-only models/demo --n-eval 400       # held-out accuracy only
+    python tools/train_demo_vision.py --text-cost models/demo /tmp/demo-vl   # text answers/MTP before vs after
     python tools/train_demo_vision.py --soft-bound 225      # the most any tower could do with the text model frozen
     python tools/train_demo_vision.py --out /tmp/demo-vl --minutes 14 --unfreeze-lm 1e-3   # experiment: trains
                                                             # the text model too (its weights change; not the demo)
@@ -323,6 +324,29 @@ def soft_bound(model, data: Prompts, steps: int, n: int = 8, tokens: int = 16, l
     return {"steps": steps, "loss": round(out.loss.item(), 3), "exact": exact}
 
 
+def text_cost(before: Path, after: Path, max_new: int = 96, k: int = 3) -> dict:
+    """What changed text weights cost, through the engine: greedy answers to tools/train_demo.py's EVAL_PROMPTS
+    (even ones thinking off, odd ones the default) identical before/after, and MTP tokens per round at K=k."""
+    from engine.loader import load_model
+    from engine.spec import generate_spec
+    from tools.train_demo import EVAL_PROMPTS
+
+    answers, rounds = [], []
+    for d in (before, after):
+        model, tok = load_model(d), Tokenizer.from_dir(d)
+        outs, tpr = [], []
+        for i, msgs in enumerate(EVAL_PROMPTS):
+            ids = tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=True,
+                                                     enable_thinking=False if i % 2 == 0 else None))
+            out, tel = generate_spec(model, ids, max_new, k=k, eos_ids=tok.eos_token_ids)
+            outs.append(out)
+            tpr.append(tel.tokens_per_round)
+        answers.append(outs)
+        rounds.append(round(sum(tpr) / len(tpr), 3))
+    same = sum(a == b for a, b in zip(*answers))
+    return {"identical_answers": f"{same}/{len(EVAL_PROMPTS)}", "tokens_per_round_before_after": rounds}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--src", default=str(ROOT / "models" / "demo"), help="the demo checkpoint (text or VL layout)")
@@ -336,6 +360,8 @@ def main() -> None:
     ap.add_argument("--n-eval", type=int, default=240)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--aux", type=float, default=0.0, help="weight of the attribute probe loss on the tower")
+    ap.add_argument("--text-cost", nargs=2, metavar=("BEFORE", "AFTER"),
+                    help="compare two demo checkpoints' text answers and MTP tokens/round, and exit")
     ap.add_argument("--soft-bound", type=int, default=0, metavar="STEPS",
                     help="measure the frozen-LM upper bound (free image embeddings, no tower) for STEPS and exit")
     ap.add_argument("--unfreeze-lm", type=float, default=0.0, metavar="LR",
@@ -345,6 +371,9 @@ def main() -> None:
     if args.eval_only:
         d = Path(args.eval_only)
         print(json.dumps(evaluate(load_hf(d), Prompts(d), args.n_eval)))
+        return
+    if args.text_cost:
+        print(json.dumps(text_cost(Path(args.text_cost[0]), Path(args.text_cost[1]))))
         return
     if args.soft_bound:
         with tempfile.TemporaryDirectory() as tmp:

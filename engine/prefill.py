@@ -31,7 +31,7 @@ from .cache import PREFILL_GRID, ModelCache
 from .model.ops import cpu
 from .model.ops import dispatch as ops
 from .model.ops.matmul_fp8 import FP8
-from .model.qwen35 import FwdCtx, Qwen35ForCausalLM
+from .model.qwen35 import FwdCtx, Qwen35ForCausalLM, rope_table
 from .session import SessionState, _queued_mtp_rows
 
 
@@ -117,9 +117,13 @@ def prefill_rows(model: Qwen35ForCausalLM, rows: list[SessionState]) -> None:
     r0 = live[0]
     x = torch.tensor([c + [0] * (T - len(c)) for c in chunks], device=r0.device)  # [N, T]
     cur = [r.cache.cur for r in live]
-    ctx = FwdCtx.make(model.config, r0.device, r0.dtype, [r.slot for r in live], [r.cache.length for r in live],
-                      cur, cur, T, False, lens=[len(c) for c in chunks])
-    pre = model.forward_step(x, ctx, r0.pool)  # [N, T, H]
+    pos0 = [r.cache.length for r in live]
+    emb, rope = _image_inputs(model, live, x, pos0, [r.input_embeds(p, c) for r, p, c in zip(live, pos0, chunks)])
+    ctx = FwdCtx.make(model.config, r0.device, r0.dtype, [r.slot for r in live], pos0,
+                      cur, cur, T, False, lens=[len(c) for c in chunks], rope=rope)
+    # (image rows: the embeddings given; a text-only forward is the plain call)
+    pre = model.forward_step(x, ctx, r0.pool) if emb is None else \
+        model.forward_step(x, ctx, r0.pool, emb)  # [N, T, H]
     ok = []
     for i, r in enumerate(live):
         try:
@@ -152,9 +156,42 @@ def flush_mtp_rows(model: Qwen35ForCausalLM, rows: list[SessionState]) -> None:
         return
     toks, hid, n = _queued_mtp_rows(rows, [r.mtp_ready for r in rows])  # [A, Tm], [A, Tm, H]
     r0, sc = rows[0], [r.scratch for r in rows]
-    ctx = FwdCtx.make(model.config, r0.device, r0.dtype, [s.slot for s in sc], [s.length for s in sc],
-                      [0] * len(rows), [0] * len(rows), toks.shape[1], False)
-    model.mtp_forward(toks, hid, ctx, r0.pool.mtp)  # [A, Tm, H]: only the K/V it writes is used
+    pos0 = [s.length for s in sc]
+    emb, rope = _image_inputs(model, rows, toks, pos0, [r.input_embeds(p + 1, r._mtp_tokens[:k]) if r.images else None
+                                                        for r, p, k in zip(rows, pos0, n)])
+    ctx = FwdCtx.make(model.config, r0.device, r0.dtype, [s.slot for s in sc], pos0,
+                      [0] * len(rows), [0] * len(rows), toks.shape[1], False, rope=rope)
+    if emb is None:
+        model.mtp_forward(toks, hid, ctx, r0.pool.mtp)  # [A, Tm, H]: only the K/V it writes is used
+    else:
+        model.mtp_forward(toks, hid, ctx, r0.pool.mtp, emb)
     for r, k in zip(rows, n):
         r.scratch.set_len(r.scratch.length + k)
         r._mtp_tokens, r._mtp_hidden = r._mtp_tokens[k:], r._mtp_hidden[k:] if k < len(r._mtp_tokens) else None
+
+
+def _image_inputs(model: Qwen35ForCausalLM, rows: list[SessionState], ids: torch.Tensor, pos0: list[int],
+                  embeds: list[torch.Tensor | None]) -> tuple[torch.Tensor | None,
+                                                          tuple[torch.Tensor, torch.Tensor] | None]:
+    """A batched prefill or MTP forward's inputs when some of its rows belong to sessions with images: the input
+    embeddings [N, T, H] (the token embeddings, row i's first len(embeds[i]) replaced by embeds[i] where given) and
+    every token's rotary rows [N, T, R] (a session with images: `SessionState.rope_rows`; the others: the table's
+    rows at pos0[i] + t, the bits they rotate with otherwise). (None, None) when no row has images: the plain
+    forward. ids [N, T] (right-padded)."""
+    if not any(r.images for r in rows):
+        return None, None
+    N, T = ids.shape
+    emb = None
+    if any(e is not None for e in embeds):
+        emb = model.model.embed_tokens(ids)  # [N, T, H]
+        for i, e in enumerate(embeds):
+            if e is not None:
+                emb[i, :e.shape[0]] = e
+    cos, sin = rope_table(model.config, max(pos0) + T, ids.device, rows[0].dtype)
+    at = torch.tensor(pos0, device=ids.device)[:, None] + torch.arange(T, device=ids.device)  # [N, T]
+    cos, sin = cos[at], sin[at]  # [N, T, R] each
+    for i, r in enumerate(rows):
+        rr = r.rope_rows(pos0[i], T)
+        if rr is not None:
+            cos[i], sin[i] = rr
+    return emb, (cos, sin)

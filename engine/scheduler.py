@@ -32,7 +32,9 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import PREFILL_GRID, GdnPool, PrefixCache, PrefixCacheStats, StatePool, block_keys, pool_bytes
+from .encoder import ImageEncoder, image_patches
 from .graphs import EAGER, GraphRunner, StepRunner, graph_buckets, padding_rows
+from .images import VisionStats
 from .model.ops import cpu
 from .model.ops import dispatch as ops
 from .model.qwen35 import Qwen35ForCausalLM
@@ -47,6 +49,11 @@ POOL_MEMORY_FRACTION = 0.8
 PREFIX_CACHE_MEMORY_FRACTION = 0.4
 #: ... and at most this much host RAM on a CPU.
 PREFIX_CACHE_CPU_CAP = 8 << 30
+#: The encoder cache's default budget (image embeddings kept by content hash).
+ENCODER_CACHE_BYTES = 512 * 2**20
+#: Patches the vision tower encodes per step at most (the first image of a step always runs): 16384 patches are
+#: four 1024 x 1024 pictures, so running streams keep decoding while a burst of images is encoded.
+ENCODER_PATCHES_PER_STEP = 16384
 
 
 class PoolTooLarge(RuntimeError):
@@ -97,11 +104,17 @@ class Scheduler:
     everything."""
 
     def __init__(self, model: Qwen35ForCausalLM, *, max_num_seqs: int, max_model_len: int, k: int,
-                 max_num_batched_tokens: int, step_graphs: bool | None = None, prefix_cache_bytes: int | None = 0):
+                 max_num_batched_tokens: int, step_graphs: bool | None = None, prefix_cache_bytes: int | None = 0,
+                 encoder_cache_bytes: int = ENCODER_CACHE_BYTES,
+                 encoder_patches_per_step: int = ENCODER_PATCHES_PER_STEP):
         """step_graphs: run the round through a `GraphRunner` (None: when the model is on the kernel path, i.e.
         CUDA with triton; on a CPU it executes the same static-buffer bodies without capturing, for tests).
         prefix_cache_bytes: the prefix cache's memory budget (0: no cache; None: PREFIX_CACHE_MEMORY_FRACTION of the
-        memory left free after the state pool, at most PREFIX_CACHE_CPU_CAP on a CPU)."""
+        memory left free after the state pool, at most PREFIX_CACHE_CPU_CAP on a CPU).
+        encoder_cache_bytes: the encoder cache's budget (image embeddings by content hash; 0: none), when the model
+        has a vision tower. encoder_patches_per_step: the tower's work per step (patches; the first image of a step
+        always runs): joining sessions' images are encoded between rounds under it, and a session's prefill waits
+        until the images it needs are encoded."""
         cfg = model.config
         self.model = model
         self.k = k if cfg.has_mtp else 0
@@ -129,6 +142,12 @@ class Scheduler:
         #: startup self-check runs after this and may hand a prefill kernel to its twin)
         self._prefill_kernels = prefill_kernels(model) if ops.use_triton(model.lm_head.weight) else None
         self.packs = packs_rows(model, self._prefill_kernels)
+        tower, icfg = model.vision, model.image_config
+        self.encoder = ImageEncoder(tower, icfg, cfg.dtype, encoder_cache_bytes) if tower is not None \
+            and icfg is not None else None
+        self.encoder_patches_per_step = encoder_patches_per_step
+        self._patches_left = 0  # the step's encoder budget left
+        self._encoded = False  # an image was encoded this step
         if prefix_cache_bytes is None:
             prefix_cache_bytes = int(PREFIX_CACHE_MEMORY_FRACTION * max(0, avail - need))
             if torch.device(device).type == "cpu":
@@ -156,7 +175,9 @@ class Scheduler:
         return (f"state pool: {p.slots} slots x {p.capacity} positions, {p.window} GDN state slots each: "
                 f"KV {mib['kv']:.1f} MiB, GDN {mib['gdn']:.1f} MiB, MTP {mib['mtp']:.1f} MiB "
                 f"({sum(mib.values()):.1f} MiB on {p.device})" + (f"; {kernel}" if kernel else "") + f"; {cache}; "
-                f"prefill grid {PREFILL_GRID} tokens, {'rows packed' if self.packs else 'one row'} per forward")
+                f"prefill grid {PREFILL_GRID} tokens, {'rows packed' if self.packs else 'one row'} per forward"
+                + (f"; images: encoder cache {self.encoder.cache.capacity_bytes / 2**20:.0f} MiB, up to "
+                   f"{self.encoder_patches_per_step} patches encoded a step" if self.encoder is not None else ""))
 
     @property
     def has_room(self) -> bool:
@@ -171,12 +192,18 @@ class Scheduler:
         """The prefix cache's counters and size now (None when it is off)."""
         return None if self.cache is None else PrefixCacheStats(**vars(self.cache.stats))
 
+    def vision_stats(self) -> VisionStats | None:
+        """The image counters since start (images encoded, encoder-cache hits, seconds encoding; a copy), or None
+        when the model has no vision tower."""
+        return None if self.encoder is None else VisionStats(**vars(self.encoder.stats))
+
     def add(self, sess: SpecSession) -> None:
         """A new session (built on this scheduler's pool) joins: it resumes from the longest cached prefix of its
         prompt, and the rest prefills in grid blocks from the next step."""
         assert sess.pool is self.pool, "sessions must be built with pool=scheduler.pool"
         if self.cache is not None and sess.cache.length == 0:
-            self._pkeys[sess] = block_keys(sess.prompt_ids, len(sess.prompt_ids) // PREFILL_GRID, self.cache.root)
+            self._pkeys[sess] = block_keys(sess.prompt_ids, len(sess.prompt_ids) // PREFILL_GRID, self.cache.root,
+                                           images=sess.image_keys)
             if sess.k > 0 or self.pool.mtp is None:  # a plain session in an MTP pool writes no MTP rows
                 self._writes[sess] = _Writes(keys=list(self._pkeys[sess]))
             if sess.want_prompt_logprobs is None:  # prompt logprobs need every prompt row: no resume
@@ -237,7 +264,7 @@ class Scheduler:
     def _keys(self, sess: SpecSession, w: _Writes, n: int) -> list[bytes]:
         assert self.cache is not None
         if len(w.keys) < n:
-            w.keys = block_keys(sess.committed, n, self.cache.root, w.keys)
+            w.keys = block_keys(sess.committed, n, self.cache.root, w.keys, images=sess.image_keys)
         return w.keys
 
     def _write_prefilled(self, rows: list[SpecSession]) -> None:
@@ -321,6 +348,35 @@ class Scheduler:
             for _, bid in w.pending:
                 self.cache.release(bid)
 
+    # -- images --------------------------------------------------------------------------------------------------
+    def _images_ready(self, s: SpecSession) -> bool:
+        """Whether `s` holds every image embedding its prefill still needs; encodes (or takes from the encoder
+        cache) those missing while the step's patch budget lasts (the step's first image whatever its size). An
+        image that fails to encode fails its session."""
+        missing = s.images_missing()
+        if not missing:
+            return True
+        enc = self.encoder
+        if enc is None:  # (a session with images needs a tower to be built at all)
+            s.fail(RuntimeError("the model has no vision tower"))
+            return False
+        for k in missing:
+            inp = s.images[k]
+            emb = enc.cached(inp)
+            if emb is None:
+                p = image_patches(inp)
+                if self._encoded and p > self._patches_left:
+                    return False
+                try:
+                    emb = enc.encode(inp)
+                except Exception as e:  # noqa: BLE001 - an image that cannot be encoded fails its own request
+                    s.fail(e)
+                    return False
+                self._patches_left -= p
+                self._encoded = True
+            s.set_image_embedding(k, emb)
+        return True
+
     # -- the step ------------------------------------------------------------------------------------------------
     def _grants(self, budget: int) -> list[tuple[SpecSession, int]]:
         """How many grid blocks each joining session prefills this step, in arrival order: blocks while they fit
@@ -329,6 +385,7 @@ class Scheduler:
         from blocks that landed since it joined, and waits while a session ahead of it still has to compute its
         next block (the same prompt prefix arriving twice is computed once)."""
         out: list[tuple[SpecSession, int]] = []
+        failed: list[tuple[SpecSession, int]] = []  # sessions whose image failed: they leave this step
         coming: set[bytes] = set()  # full prompt blocks that sessions ahead in the queue will compute and cache
         for s in self.joining:
             if s.finished:  # failed while joining (`_resume`): the step retires it
@@ -346,8 +403,12 @@ class Scheduler:
                         b = s.cache.length // PREFILL_GRID
                         if b < (len(s.prompt_ids) - 1) // PREFILL_GRID and keys[b] in coming:
                             continue  # a session ahead computes this block: take it from the cache later
-                if s in self._writes:
-                    coming.update(keys[b:])
+            if s.images and not self._images_ready(s):
+                if s.finished:
+                    failed.append((s, 0))
+                continue  # it waits for its images; later prompts may go first
+            if keys is not None and s in self._writes:
+                coming.update(keys[b:])
             pos, left, n = s.cache.length, s.prefill_left, 0
             while left > 0:
                 c = min(left, PREFILL_GRID - pos % PREFILL_GRID)
@@ -360,7 +421,7 @@ class Scheduler:
                 out.append((s, n))
             if left > 0:
                 break  # arrival order: a later prompt never overtakes one that waits for budget
-        return out
+        return out + failed
 
     def _forwards(self, rows: list[SpecSession]) -> list[list[SpecSession]]:
         """One wave's forwards, in order: one row each unless the model's prefill is row-wise (`packs_rows`, asked again
@@ -397,6 +458,7 @@ class Scheduler:
     def step(self) -> StepResult:
         """One round for the running sessions, then prefill blocks under the token budget."""
         res = StepResult()
+        self._patches_left, self._encoded = self.encoder_patches_per_step, False
         counts = {s: len(s.emitted) for s in self.running}
         budget = self.max_num_batched_tokens - sum(s.k_round() + 1 for s in self.running)
         if self.running:

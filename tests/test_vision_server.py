@@ -150,10 +150,18 @@ class VLServer(ServerThread):
 
 
 @pytest.fixture(scope="module")
-def srv(vl_dir, images_host):
+def media_dir(tmp_path_factory) -> Path:
+    """The test server's --allowed-local-media-path, holding red.png."""
+    out = tmp_path_factory.mktemp("media")
+    (out / "red.png").write_bytes(RED)
+    return out
+
+
+@pytest.fixture(scope="module")
+def srv(vl_dir, images_host, media_dir):
     with VLServer(vl_dir, max_model_len=MAX_MODEL_LEN, limit_mm_per_prompt={"image": LIMIT},
                   mm_processor_kwargs={"min_pixels": SERVER_MIN_PIXELS}, allowed_media_domains=("127.0.0.1",),
-                  media_fetch_timeout=0.5, num_speculative_tokens=2) as s:
+                  allowed_local_media_path=media_dir, media_fetch_timeout=0.5, num_speculative_tokens=2) as s:
         yield s
 
 
@@ -206,11 +214,12 @@ def test_image_pads_in_place_and_counted_in_usage(srv, client, vl_dir):
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
 
 
-def test_http_image_and_two_images(srv, client, vl_dir, images_host):
+def test_http_file_image_and_two_images(srv, client, vl_dir, images_host, media_dir):
     one = chat(client, srv, ask(image(_data_url(RED))))
-    http = chat(client, srv, ask(image(images_host + "/red.png")))
-    assert http.usage.prompt_tokens == one.usage.prompt_tokens  # the same picture, fetched
-    assert http.choices[0].message.content == one.choices[0].message.content
+    for url in (images_host + "/red.png", (media_dir / "red.png").as_uri()):  # the same picture, fetched or read
+        other = chat(client, srv, ask(image(url)))
+        assert other.usage.prompt_tokens == one.usage.prompt_tokens
+        assert other.choices[0].message.content == one.choices[0].message.content
     two = chat(client, srv, ask(image(_data_url(RED)), image(_data_url(BLUE))))
     assert two.usage.prompt_tokens == one.usage.prompt_tokens + n_image_tokens(vl_dir, BLUE) + 2  # + its 3 markers
 
@@ -280,7 +289,7 @@ def _bad(images_host: str) -> list[tuple[str, list[dict], dict, str]]:
          "not in --allowed-media-domains"),
         ("fetch-timeout", ask(image(images_host + "/slow?s=2")), {}, "timed out"),
         ("html-not-image", ask(image(images_host + "/page")), {}, "HTML"),
-        ("file-url", ask(image("file:///etc/hostname")), {}, "--allowed-local-media-path"),
+        ("file-outside-allowed-path", ask(image("file:///etc/hostname")), {}, "outside --allowed-local-media-path"),
         ("video", ask({"type": "video_url", "video_url": {"url": _data_url(RED)}}), {}, "video_url is not supported"),
         ("system-image", ask(system=[image(_data_url(RED))]), {}, "system message cannot contain images"),
         ("over-the-limit", ask(*[image(_data_url(RED))] * (LIMIT + 1)), {}, f"at most {LIMIT} image"),
@@ -317,6 +326,34 @@ def test_bad_image_inputs_are_400s_and_the_server_is_unharmed(srv, client, image
     assert [t.logprob for t in after.choices[0].logprobs.content] == \
         [t.logprob for t in reference.choices[0].logprobs.content]
     assert after.usage.prompt_tokens == reference.usage.prompt_tokens
+
+
+def test_image_settings_forms_and_startup_refusals(vl_dir, tmp_path):
+    from config.settings import SettingsError, load_settings
+    from server.cli import build_parser, image_serving, settings_from_args
+
+    args = build_parser().parse_args(["serve", str(vl_dir), "--allowed-media-domains", "a.example", "b.example",
+                                      "--limit-mm-per-prompt", '{"image": {"count": 3}, "video": 0}',
+                                      "--mm-processor-kwargs", '{"size": {"longest_edge": 65536}}'])
+    s = settings_from_args(args, environ={"NEXTN_MM_ENCODER_CACHE_MB": "64"})
+    assert s.allowed_media_domains == ("a.example", "b.example") and s.limit_mm_per_prompt == {"image": 3, "video": 0}
+    assert s.encoder_cache_bytes == 64 * 2**20
+    images = image_serving(s)
+    assert images.max_images == 3 and images.config.max_pixels == 65536 and images.policy.allowed_media_domains == (
+        "a.example", "b.example")
+    env = load_settings({"model_dir": vl_dir}, environ={"NEXTN_ALLOWED_MEDIA_DOMAINS": "a.example, b.example"})
+    assert env.allowed_media_domains == ("a.example", "b.example")
+    for bad, says in (({"limit_mm_per_prompt": '{"images": 2}'}, "unknown modality"),
+                      ({"mm_processor_kwargs": '{"max_pixel": 2}'}, "unknown key")):
+        with pytest.raises(SettingsError, match=says):
+            load_settings({"model_dir": vl_dir, **bad}, environ={})
+    for bad, says in (({"mm_processor_kwargs": {"min_pixels": 2**30}}, "--mm-processor-kwargs"),
+                      ({"allowed_local_media_path": tmp_path / "absent"}, "does not exist")):
+        with pytest.raises(SettingsError, match=says):  # `nextn serve` exits 2 with this line
+            image_serving(ServeSettings(model_dir=vl_dir, **bad))
+    assert image_serving(ServeSettings(model_dir=vl_dir, language_model_only=True)).config is None
+    text_only = image_serving(ServeSettings(model_dir=tiny_checkpoint()))
+    assert text_only.config is None and "no vision tower" in text_only.refusal
 
 
 def test_tokenize_refuses_images_by_name(srv):

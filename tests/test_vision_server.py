@@ -274,6 +274,20 @@ def test_metrics_count_encoded_images_and_encoder_cache_hits(srv, client):
     assert srv.metric("nextn_mm_encoder_cache_hits_total") == hits + 1
 
 
+def test_image_counters_follow_the_engines_cumulative_stats():
+    from engine.images import VisionStats
+    from metrics.prometheus import ServingMetrics
+
+    m = ServingMetrics("m", 0)
+    assert b"nextn_mm_" not in m.render()[0]  # a server without a vision tower has no image families
+    for encoded, hits, seconds in ((0, 0, 0.0), (2, 1, 0.5), (2, 1, 0.5), (5, 3, 1.25)):
+        m.set_vision(VisionStats(images_encoded=encoded, encoder_cache_hits=hits, encoder_seconds=seconds))
+    body = m.render()[0].decode()
+    for name, want in (("images_encoded", 5), ("encoder_cache_hits", 3), ("encoder_seconds", 1.25)):
+        line = next(x for x in body.splitlines() if x.startswith(f"nextn_mm_{name}_total{{"))
+        assert float(line.rsplit(" ", 1)[1]) == want, line
+
+
 # ------------------------------------------------------------------------------------- bad input: 400s, unharmed
 
 
@@ -404,6 +418,22 @@ def test_templates_render_image_parts_in_place(vl_dir):
     qwen = Tokenizer.from_dir(vl_dir)
     qwen.chat_template = qwen_like
     assert qwen.apply_chat_template([{"role": "user", "content": parts}]) == "A[IMGFalse]B"
+
+
+@pytest.mark.slow
+def test_engine_process_serves_images_as_the_in_process_worker(srv, client, vl_dir):
+    """The images cross the pipe to the engine process (numpy pictures), its image counters come back through the
+    relay, and the answer is the in-process worker's, token for token."""
+    messages = ask(image(_data_url(_png(shapes("purple", 2)))), text="Which colour?")
+    want = chat(client, srv, messages, max_tokens=6, extra_body={"return_token_ids": True})
+    with VLServer(vl_dir, max_model_len=MAX_MODEL_LEN, engine_process=True, num_speculative_tokens=2,
+                  mm_processor_kwargs={"min_pixels": SERVER_MIN_PIXELS}) as s:
+        c = openai.OpenAI(base_url=s.base_url, api_key="none", max_retries=0)
+        got = chat(c, s, messages, max_tokens=6, extra_body={"return_token_ids": True})
+        assert s.worker.vision
+        assert s.metric("nextn_mm_images_encoded_total") == 1
+    assert got.choices[0].token_ids == want.choices[0].token_ids
+    assert got.prompt_token_ids == want.prompt_token_ids and got.usage.prompt_tokens == want.usage.prompt_tokens
 
 
 def test_engine_process_carries_a_jobs_images(vl_dir):

@@ -172,7 +172,10 @@ class ContentPart(OpenAIBaseModel):
 
     type: str
     text: str | None = None
-    image_url: ImageURL | str | None = Field(None, description="image_url parts: {url, detail}")
+    image_url: ImageURL | str | None = Field(None, description="image_url parts: {url, detail}; input_image parts: "
+                                                              "the URL")
+    detail: str | None = Field(None, description="input_image parts: accepted (as image_url.detail)")
+    file_id: str | None = Field(None, description="input_image parts by file id: not supported (400: no Files API)")
     video_url: dict[str, Any] | None = Field(None, description="not supported yet (400)")
 
 

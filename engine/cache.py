@@ -17,6 +17,7 @@ import array
 import collections
 import hashlib
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -250,15 +251,23 @@ class MtpScratch:
 PREFILL_GRID = 256
 
 
-def block_keys(tokens: list[int], n: int, root: bytes, prev: list[bytes] | None = None) -> list[bytes]:
-    """The hash-chain keys of the first n grid blocks of `tokens`: key_b = H(key_{b-1} | block b's token ids),
-    key_{-1} = `root` (the model's identity). `prev`: keys already known for the first blocks (extended, not
-    recomputed)."""
+def block_keys(tokens: list[int], n: int, root: bytes, prev: list[bytes] | None = None,
+               images: Sequence[tuple[int, int, str]] = ()) -> list[bytes]:
+    """The hash-chain keys of the first n grid blocks of `tokens`: key_b = H(key_{b-1} | block b's token ids |
+    the images whose pads it holds), key_{-1} = `root` (the model's identity). images: (first pad's index, pad
+    count, content hash) of each image of the sequence (`SessionState.image_keys`); a block holding pads of an
+    image adds its hash and the offset and count of those pads in the image, so two different images of the same
+    size never share a block while the same image in another conversation does. Without images the key is the
+    token ids' alone. `prev`: keys already known for the first blocks (extended, not recomputed)."""
     keys = list(prev or [])
     G = PREFILL_GRID
     for b in range(len(keys), n):
         h = hashlib.blake2b(keys[-1] if keys else root, digest_size=16)
         h.update(array.array("q", tokens[b * G:(b + 1) * G]).tobytes())
+        for start, count, digest in images:
+            lo, hi = max(start, b * G), min(start + count, (b + 1) * G)
+            if lo < hi:
+                h.update(f"|image {digest} {lo - start} {hi - lo}".encode())
         keys.append(h.digest())
     return keys
 

@@ -52,6 +52,13 @@ def _pick(rows: list[SessionState], logits: torch.Tensor, extra: torch.Tensor) -
     return tok, top, qs
 
 
+def rope_deltas(rows: list[SessionState]) -> dict[str, list[int]]:
+    """The runner's `delta` keyword for these rows: {} when every row rotates at its cache positions (text-only
+    sessions: the runner's plain call), else {"delta": each row's rope delta}."""
+    d = [r.rope_delta for r in rows]
+    return {"delta": d} if any(d) else {}
+
+
 def _draft(model: Qwen35ForCausalLM, rows: list[SessionState], ks: list[int],
            runner: StepRunner = EAGER) -> tuple[torch.Tensor, list[list]]:
     """Draft up to ks[i] tokens per row, one MTP head forward per depth over every row still drafting.
@@ -70,7 +77,7 @@ def _draft(model: Qwen35ForCausalLM, rows: list[SessionState], ks: list[int],
     toks, hid, qlen = _queued_mtp_rows([rows[i] for i in act])  # [A, Tq], [A, Tq, H]
     sc_pos = [rows[i].scratch.length for i in act]
     h, lg = runner.draft(model, pool, toks, hid, [rows[i].slot for i in act], sc_pos,
-                         [q - 1 for q in qlen])  # [A, 1, H], [A, V]
+                         [q - 1 for q in qlen], **rope_deltas([rows[i] for i in act]))  # [A, 1, H], [A, V]
     for i in act:
         r = rows[i]
         r.scratch.set_len(len(r.committed))
@@ -89,7 +96,8 @@ def _draft(model: Qwen35ForCausalLM, rows: list[SessionState], ks: list[int],
         if j > 0:  # chained depth: the previous draft and the head's own hidden, one row each
             prev = drafts[ix, j - 1].clamp_min(0)[:, None]  # [A, 1]
             h, lg = runner.draft(model, pool, prev, h, [rows[i].slot for i in act],
-                                 [len(rows[i].committed) - 1 + j for i in act], None)  # [A, 1, H], [A, V]
+                                 [len(rows[i].committed) - 1 + j for i in act], None,
+                                 **rope_deltas([rows[i] for i in act]))  # [A, 1, H], [A, V]
         arows = [rows[i] for i in act]
         for a, r in enumerate(arows):  # grammars propose legal drafts only (drafts never affect exactness)
             if r.constraint is not None and hasattr(r.constraint, "draft_mask_logits") and r.error is None \

@@ -1,13 +1,15 @@
 """How the batched round runs its forwards: eagerly, or replayed as CUDA graphs per batch-size bucket.
 
 A speculative round (engine/spec.py `spec_round`) runs two kinds of forward, both through a step runner:
-  * `verify(model, pool, tokens [N, T], slots, pos0, cur)` -> (pre, post [N, T, H], logits [N, T, V] fp32):
-    one trunk forward over N rows x T tokens that records the GDN state after every token in window slot t
+  * `verify(model, pool, tokens [N, T], slots, pos0, cur, delta=None)` -> (pre, post [N, T, H], logits [N, T, V]
+    fp32): one trunk forward over N rows x T tokens that records the GDN state after every token in window slot t
     (T = 1 is plain decode), then the final norm and the logits of every column;
-  * `draft(model, pool, tokens [A, T], hidden [A, T, H], slots, pos0, last)` -> (h [A, 1, H], logits [A, V]):
-    one MTP head forward (depth 0 writes each row's queued rows, chained depths have T = 1), the head hidden
-    of row a's token last[a] (None: its only token) and its fp32 draft logits.
-Rows are host lists (slots, pos0, cur, last), known on the host before the round starts.
+  * `draft(model, pool, tokens [A, T], hidden [A, T, H], slots, pos0, last, delta=None)` -> (h [A, 1, H], logits
+    [A, V]): one MTP head forward (depth 0 writes each row's queued rows, chained depths have T = 1), the head
+    hidden of row a's token last[a] (None: its only token) and its fp32 draft logits.
+Rows are host lists (slots, pos0, cur, last), known on the host before the round starts. `delta` (None: all 0):
+each row's rope delta (a session with images rotates its tokens at pos0 + delta + t; K/V stay at pos0 + t); in
+a captured graph it is one more per-row input, never a constant of the graph.
 
 `EagerRunner` (CPU; CUDA sessions run without a scheduler) runs the forward as is: on the torch path (CPU) with
 the host `FwdCtx` the round always used, on the kernel path with a device-only `FwdCtx.from_tensors`.
@@ -49,10 +51,10 @@ Draft = tuple[torch.Tensor, torch.Tensor]  # head hidden [A, 1, H]; logits [A, V
 
 class StepRunner(Protocol):
     def verify(self, model: Qwen35ForCausalLM, pool: StatePool, tokens: torch.Tensor, slots: list[int],
-               pos0: list[int], cur: list[int]) -> Verify: ...
+               pos0: list[int], cur: list[int], delta: list[int] | None = None) -> Verify: ...
 
     def draft(self, model: Qwen35ForCausalLM, pool: StatePool, tokens: torch.Tensor, hidden: torch.Tensor,
-              slots: list[int], pos0: list[int], last: list[int] | None) -> Draft: ...
+              slots: list[int], pos0: list[int], last: list[int] | None, delta: list[int] | None = None) -> Draft: ...
 
 
 def graph_buckets(max_rows: int) -> list[int]:
@@ -86,27 +88,31 @@ class EagerRunner:
     """The round's forwards run as they are (no static buffers, no padding)."""
 
     def verify(self, model: Qwen35ForCausalLM, pool: StatePool, tokens: torch.Tensor, slots: list[int],
-               pos0: list[int], cur: list[int]) -> Verify:
+               pos0: list[int], cur: list[int], delta: list[int] | None = None) -> Verify:
         N, T = tokens.shape
         if _kernel_path(model):
-            ix = _host_index(slots, pos0, cur, device=tokens.device).to(tokens.device, non_blocking=True)
-            ctx = FwdCtx.from_tensors(ix[0], ix[1], ix[2], T, _rope(model, pool))
+            ix = _host_index(slots, pos0, cur, delta or [0] * N, device=tokens.device).to(tokens.device,
+                                                                                       non_blocking=True)
+            ctx = FwdCtx.from_tensors(ix[0], ix[1], ix[2], T, _rope(model, pool), ix[3] if delta else None)
         else:
-            ctx = FwdCtx.make(model.config, tokens.device, pool.dtype, slots, pos0, cur, [0] * N, T, True)
+            ctx = FwdCtx.make(model.config, tokens.device, pool.dtype, slots, pos0, cur, [0] * N, T, True,
+                              rope_delta=delta)
         pre = model.forward_step(tokens, ctx, pool)  # [N, T, H]
         post = model.model.norm(pre, ctx)
         return pre, post, model.logits(post, ctx=ctx)
 
     def draft(self, model: Qwen35ForCausalLM, pool: StatePool, tokens: torch.Tensor, hidden: torch.Tensor,
-              slots: list[int], pos0: list[int], last: list[int] | None) -> Draft:
+              slots: list[int], pos0: list[int], last: list[int] | None, delta: list[int] | None = None) -> Draft:
         A, T = tokens.shape
         dev = tokens.device
         if _kernel_path(model):
-            ix = _host_index(slots, pos0, device=dev).to(dev, non_blocking=True)
-            ctx = FwdCtx.from_tensors(ix[0], ix[1], torch.zeros_like(ix[0]), T, _rope(model, pool))
+            ix = _host_index(slots, pos0, delta or [0] * A, device=dev).to(dev, non_blocking=True)
+            ctx = FwdCtx.from_tensors(ix[0], ix[1], torch.zeros_like(ix[0]), T, _rope(model, pool),
+                                      ix[2] if delta else None)
         else:
             # record: a step forward (the head has no GDN layer to record; its attention runs the CPU step kernel)
-            ctx = FwdCtx.make(model.config, dev, pool.dtype, slots, pos0, [0] * A, [0] * A, T, True)
+            ctx = FwdCtx.make(model.config, dev, pool.dtype, slots, pos0, [0] * A, [0] * A, T, True,
+                              rope_delta=delta)
         hm = model.mtp_forward(tokens, hidden, ctx, pool.mtp)  # [A, T, H]
         h = hm if last is None else hm[torch.arange(A, device=dev), torch.tensor(last, device=dev)][:, None]
         return h, model.logits(h[:, 0], ctx=ctx)
@@ -119,7 +125,7 @@ EAGER = EagerRunner()
 class _Step:
     """Static buffers of one (kind, B, T) step and its graph."""
 
-    ix: torch.Tensor  # [4, B] long: pool slot, pos0, live window slot (verify), last row (draft)
+    ix: torch.Tensor  # [5, B] long: pool slot, pos0, live window slot (verify), last row (draft), rope delta
     tokens: torch.Tensor  # [B, T] long
     hidden: torch.Tensor | None  # [B, T, H] model dtype (draft)
     out: tuple[torch.Tensor, ...] = ()
@@ -205,30 +211,31 @@ class GraphRunner:
         return self.bucket(n)
 
     def verify(self, model: Qwen35ForCausalLM, pool: StatePool, tokens: torch.Tensor, slots: list[int],
-               pos0: list[int], cur: list[int]) -> Verify:
+               pos0: list[int], cur: list[int], delta: list[int] | None = None) -> Verify:
         N, T = tokens.shape
         B = self._ours(model, pool, N, T)
         if B is None:
-            return EAGER.verify(model, pool, tokens, slots, pos0, cur)
-        st = self._load("verify", B, tokens, None, slots, pos0, cur, [0] * N)
+            return EAGER.verify(model, pool, tokens, slots, pos0, cur, delta)
+        st = self._load("verify", B, tokens, None, slots, pos0, cur, [0] * N, delta or [0] * N)
         pre, post, logits = self._run(st, self._verify_body)
         return pre[:N].clone(), post[:N].clone(), logits[:N]
 
     def draft(self, model: Qwen35ForCausalLM, pool: StatePool, tokens: torch.Tensor, hidden: torch.Tensor,
-              slots: list[int], pos0: list[int], last: list[int] | None) -> Draft:
+              slots: list[int], pos0: list[int], last: list[int] | None, delta: list[int] | None = None) -> Draft:
         A, T = tokens.shape
         B = self._ours(model, pool, A, T)
         if B is None:
-            return EAGER.draft(model, pool, tokens, hidden, slots, pos0, last)
-        st = self._load("draft", B, tokens, hidden, slots, pos0, [0] * A, last if last is not None else [0] * A)
+            return EAGER.draft(model, pool, tokens, hidden, slots, pos0, last, delta)
+        st = self._load("draft", B, tokens, hidden, slots, pos0, [0] * A, last if last is not None else [0] * A,
+                        delta or [0] * A)
         h, logits = self._run(st, self._draft_body)
         return h[:A], logits[:A]
 
     # ------------------------------------------------------------------ internals
     def _load(self, kind: str, B: int, tokens: torch.Tensor, hidden: torch.Tensor | None, slots: list[int],
-              pos0: list[int], cur: list[int], last: list[int]) -> _Step:
+              pos0: list[int], cur: list[int], last: list[int], delta: list[int]) -> _Step:
         """Copy a call's rows into the static buffers of (kind, B, T); the B - N padding rows get scratch slots,
-        position 0, window slot 0, token 0 (one host-to-device copy for the indices)."""
+        position 0, window slot 0, rope delta 0, token 0 (one host-to-device copy for the indices)."""
         N, T = tokens.shape
         pad = B - N
         st = self._step(kind, B, T)
@@ -237,8 +244,8 @@ class GraphRunner:
             assert st.hidden is not None
             st.hidden[:N].copy_(hidden)
         z = [0] * pad
-        st.ix.copy_(_host_index(slots + self.scratch[:pad], pos0 + z, cur + z, last + z, device=self.device),
-                    non_blocking=True)
+        st.ix.copy_(_host_index(slots + self.scratch[:pad], pos0 + z, cur + z, last + z, delta + z,
+                                device=self.device), non_blocking=True)
         return st
 
     def _step(self, kind: str, B: int, T: int) -> _Step:
@@ -246,14 +253,14 @@ class GraphRunner:
         if st is None:
             dev, H = self.device, self.model.config.hidden_size
             hidden = torch.zeros(B, T, H, dtype=self.pool.dtype, device=dev) if kind == "draft" else None
-            st = self._steps[(kind, B, T)] = _Step(torch.zeros(4, B, dtype=torch.long, device=dev),
+            st = self._steps[(kind, B, T)] = _Step(torch.zeros(5, B, dtype=torch.long, device=dev),
                                                    torch.zeros(B, T, dtype=torch.long, device=dev), hidden)
         return st
 
     def _verify_body(self, st: _Step) -> tuple[torch.Tensor, ...]:
         B, T = st.tokens.shape
         m = self.model
-        ctx = FwdCtx.from_tensors(st.ix[0], st.ix[1], st.ix[2], T, self.rope)
+        ctx = FwdCtx.from_tensors(st.ix[0], st.ix[1], st.ix[2], T, self.rope, st.ix[4])
         pre = m.forward_step(st.tokens, ctx, self.pool)  # [B, T, H]
         post = m.model.norm(pre)
         return pre, post, m.logits(post, out=self.logits[:B * T].view(B, T, -1))
@@ -262,7 +269,7 @@ class GraphRunner:
         B, T = st.tokens.shape
         m = self.model
         assert self.pool.mtp is not None and st.hidden is not None
-        ctx = FwdCtx.from_tensors(st.ix[0], st.ix[1], st.ix[2], T, self.rope)  # ix[2] == 0: no GDN in the head
+        ctx = FwdCtx.from_tensors(st.ix[0], st.ix[1], st.ix[2], T, self.rope, st.ix[4])  # ix[2] == 0: no GDN
         hm = m.mtp_forward(st.tokens, st.hidden, ctx, self.pool.mtp)  # [B, T, H]
         h = hm[torch.arange(B, device=hm.device), st.ix[3]][:, None]  # [B, 1, H]
         return h, m.logits(h[:, 0], out=self.logits[:B])

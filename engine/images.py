@@ -354,6 +354,16 @@ def mrope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float, mrope_
     return _select(cos, row), _select(sin, row)
 
 
+def mrope_table_rows(table: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor,
+                     mrope_section: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`mrope_cos_sin`'s tables gathered from a 1-D table instead (the engine's `rope_table`: cos, sin [L, R] by
+    position, L > every position): positions [3, T] -> cos, sin [T, R]. Column c of token t is the table's row
+    positions[row(c), t], so a token whose three rows are equal gets exactly the table's row, the bits a text
+    token rotates with."""
+    row = mrope_rows(table[0].shape[-1], mrope_section).to(positions.device)  # [R]
+    return _select(table[0][positions], row), _select(table[1][positions], row)  # [T, R] each
+
+
 def _select(tab: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
     """tab [3, ..., R] -> [..., R]: column c from tab[row[c]]."""
     out = tab[0]

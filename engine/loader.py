@@ -30,6 +30,8 @@ from .model.moe import Experts, Router
 from .model.ops import dispatch as ops
 from .model.ops import matmul_fp8 as fp8
 from .model.qwen35 import Qwen35ForCausalLM
+from .model.vision import VisionTower, VisionWeightsError
+from .images import ImageConfig
 
 log = logging.getLogger("nextn.loader")
 
@@ -120,11 +122,16 @@ def _canonical(key: str) -> str | None:
 
 
 def load_model(model_dir: str | Path, *, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
-               progress: bool = False) -> Qwen35ForCausalLM:
+               progress: bool = False, language_model_only: bool = False) -> Qwen35ForCausalLM:
     """Load an HF Qwen3.5 checkpoint dir onto `device` in `dtype` (default: the config's), in eval mode.
 
+    The vision tower (`model.visual.*`) comes too, as `model.vision` (a VisionTower on `device` in the model's
+    dtype) with `model.image_config` (engine/images.py ImageConfig); both None for a checkpoint without one (no
+    vision_config, or a text-only export: a vision_config but no model.visual.* tensors) or with
+    language_model_only (vLLM's --language-model-only: the tower is not read, its memory is saved).
+
     Raises ConfigError (bad/unsupported config) or CheckpointError (missing file, missing tensor by name,
-    shape mismatch with name, want and got).
+    shape mismatch with name, want and got; a vision tower that cannot be loaded, naming --language-model-only).
     """
     model_dir = Path(model_dir)
     raw = _raw_config(model_dir)
@@ -216,7 +223,26 @@ def load_model(model_dir: str | Path, *, device: str | torch.device = "cpu", dty
     model.eval()
     model.requires_grad_(False)
     model.fuse()
+    if language_model_only:
+        log.info("%s: language model only: the vision tower is not loaded", model_dir)
+    else:
+        model.attach_vision(*_vision(model_dir, cfg.dtype, device))
     return model
+
+
+def _vision(model_dir: Path, dtype: torch.dtype, device: str | torch.device) -> tuple[VisionTower | None,
+                                                                                      ImageConfig | None]:
+    """The checkpoint's vision tower and image config (None, None without a tower). CheckpointError when it has
+    one that cannot be served: a broken vision checkpoint is refused, never served as text silently."""
+    try:
+        tower = VisionTower.from_checkpoint(model_dir, dtype=dtype, device=device)
+        icfg = ImageConfig.from_checkpoint(model_dir) if tower is not None else None
+    except (ConfigError, VisionWeightsError, OSError, ValueError) as e:
+        raise CheckpointError(f"{model_dir}: the vision tower cannot be loaded: {e} (to serve the text model alone, "
+                              "use --language-model-only)") from e
+    if tower is not None:
+        tower.requires_grad_(False)
+    return tower, icfg
 
 
 Loaded = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]  # (tensor, FP8 scale or None, scale rows)

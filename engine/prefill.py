@@ -10,10 +10,18 @@ split never depends on the token budget, the batch or K. What a block computes m
     (right-padded) and a block's bits are what its row alone computes: `packs_rows` is True. The same kernels run the
     decode and verify steps, so a state reached by decoding is bitwise the state a prefill of the same tokens
     reaches (`steps_match_prefill`): the prefix cache may then keep blocks that generated tokens completed;
-  * elsewhere (the torch path: a GEMM whose rounding follows the row count, SDPA over padded rows; on CUDA, where
-    a block's attention and GDN run the prefill kernels of engine/model/ops (per-row by construction) but the GPU
-    has not yet confirmed the rest row-wise) each forward carries one block of one session,
-    whose shape depends on the block alone, so its bits are the same whatever else runs.
+  * on the kernel path (CUDA with triton) every op of a prefill forward is row-wise too: the GEMMs are the
+    batch-invariant Triton matmul in the "prefill" tiling (`FwdCtx.phase`: chosen by the forward's kind, never by its
+    rows), the norms, gates and activations row-wise kernels, the MoE experts the grouped matmul and the slot-order
+    combine, attention the prefill kernel over each row's own keys (per-row slot and pos0), the GDN recurrence the
+    chunked kernel from each row's first token (per-row slot, read and write window slots, and real length: the
+    padding leaves the state alone), the conv an explicit per-token tap sum. So the next blocks of several sessions
+    share one forward (right-padded) as on the C path, while every prefill kernel runs (`packs_rows`: a kernel that
+    fell back to its torch twin ends the packing); decode steps there run other kernels (the recurrent GDN update,
+    the "step" tiling), so they do not reach a prefill's bits (`steps_match_prefill` is False);
+  * elsewhere (the torch path: a GEMM whose rounding follows the row count, SDPA over padded rows) each forward
+    carries one block of one session, whose shape depends on the block alone, so its bits are the same whatever
+    else runs.
 """
 from __future__ import annotations
 
@@ -22,7 +30,8 @@ import torch
 from .cache import PREFILL_GRID, ModelCache
 from .model.ops import cpu
 from .model.ops import dispatch as ops
-from .model.qwen35 import FwdCtx, Qwen35ForCausalLM
+from .model.ops.matmul_fp8 import FP8
+from .model.qwen35 import FwdCtx, Qwen35ForCausalLM, rope_table
 from .session import SessionState, _queued_mtp_rows
 
 
@@ -51,19 +60,38 @@ def prefill(model: Qwen35ForCausalLM, ids: list[int], cache: ModelCache,
     return logits, model.model.norm(pre), pre
 
 
-def packs_rows(model: Qwen35ForCausalLM) -> bool:
+#: the kernels a prefill forward on the kernel path runs (a fallen-back one is its torch twin: not row-wise)
+PREFILL_KERNELS = ("matmul", "rms_norm", "gated_rms_norm", "attention_prefill", "gdn_prefill", "gdn_gates", "silu_mul")
+#: ... and a MoE model's, and an FP8 checkpoint's
+MOE_KERNELS = ("grouped_matmul", "moe_combine")
+
+
+def prefill_kernels(model: Qwen35ForCausalLM) -> tuple[str, ...]:
+    """The Triton kernels (`ops.KERNELS` names) a prefill forward of `model` calls on the kernel path."""
+    fp8 = any(p.dtype == FP8 for p in model.parameters())
+    return PREFILL_KERNELS + (MOE_KERNELS if model.config.is_moe else ()) + (("matmul_fp8",) if fp8 else ())
+
+
+def packs_rows(model: Qwen35ForCausalLM, kernels: tuple[str, ...] | None = None) -> bool:
     """Whether every op of this model's prefill forward is row-wise (see the module docstring): one forward may then
-    carry several sessions' blocks, and decode steps reach the states a prefill reaches, bit for bit."""
+    carry several sessions' blocks. On the kernel path: while every kernel a prefill forward calls runs (`kernels`,
+    default `prefill_kernels(model)`; the startup self-check may hand one to its twin, so a caller asks again after
+    it); on a CPU: the C kernels in fp32."""
     w = model.lm_head.weight
     cfg = model.config
-    return (w.device.type == "cpu" and w.dtype == torch.float32 and not ops.use_triton(w) and cpu.available()
+    if ops.use_triton(w):
+        return all(ops.use_kernel(n, w) for n in (kernels if kernels is not None else prefill_kernels(model)))
+    return (w.device.type == "cpu" and w.dtype == torch.float32 and cpu.available()
             and cpu.gemm_takes(w[:1], w) and 2 <= cfg.linear_conv_kernel_dim <= 16
             and all(p.shape[-1] % 8 == 0 and p.is_contiguous() for n, p in model.named_parameters()
                     if p.dim() >= 2 and not n.endswith(("embed_tokens.weight", "conv1d.weight")))
             and (not cfg.is_moe or cfg.moe_intermediate_size % 8 == 0))
 
 
-steps_match_prefill = packs_rows
+def steps_match_prefill(model: Qwen35ForCausalLM) -> bool:
+    """Whether a decode step reaches bitwise the state a prefill of the same tokens reaches (the prefix cache may then
+    keep blocks that generated tokens completed): the C path only, where one set of row-wise kernels runs both."""
+    return packs_rows(model) and not ops.use_triton(model.lm_head.weight)
 
 
 @torch.inference_mode()
@@ -89,9 +117,13 @@ def prefill_rows(model: Qwen35ForCausalLM, rows: list[SessionState]) -> None:
     r0 = live[0]
     x = torch.tensor([c + [0] * (T - len(c)) for c in chunks], device=r0.device)  # [N, T]
     cur = [r.cache.cur for r in live]
-    ctx = FwdCtx.make(model.config, r0.device, r0.dtype, [r.slot for r in live], [r.cache.length for r in live],
-                      cur, cur, T, False, lens=[len(c) for c in chunks])
-    pre = model.forward_step(x, ctx, r0.pool)  # [N, T, H]
+    pos0 = [r.cache.length for r in live]
+    emb, rope = _image_inputs(model, live, x, pos0, [r.input_embeds(p, c) for r, p, c in zip(live, pos0, chunks)])
+    ctx = FwdCtx.make(model.config, r0.device, r0.dtype, [r.slot for r in live], pos0,
+                      cur, cur, T, False, lens=[len(c) for c in chunks], rope=rope)
+    # (image rows: the embeddings given; a text-only forward is the plain call)
+    pre = model.forward_step(x, ctx, r0.pool) if emb is None else \
+        model.forward_step(x, ctx, r0.pool, emb)  # [N, T, H]
     ok = []
     for i, r in enumerate(live):
         try:
@@ -113,19 +145,53 @@ def prefill_rows(model: Qwen35ForCausalLM, rows: list[SessionState]) -> None:
 
 
 def flush_mtp_rows(model: Qwen35ForCausalLM, rows: list[SessionState]) -> None:
-    """Write every row's queued MTP rows into its scratch in ONE head forward, rows right-padded (the padding's K/V
-    land past each row's scratch length and are overwritten later). Rows of sessions that prefill alone or
+    """Write every row's ready MTP rows (`SessionState.mtp_ready`: a prompt block's last row waits for the next
+    block) into its scratch in ONE head forward, rows right-padded (the padding's K/V land past each row's scratch
+    length and are overwritten later). Rows of sessions that prefill alone or
     finish go through here too (a row's rows are final once their next token is known)."""
-    rows = [r for r in rows if r._mtp_tokens]
+    rows = [r for r in rows if r.mtp_ready]
     if len(rows) <= 1:
         for r in rows:
             r._flush_mtp()
         return
-    toks, hid, n = _queued_mtp_rows(rows)  # [A, Tm], [A, Tm, H]
+    toks, hid, n = _queued_mtp_rows(rows, [r.mtp_ready for r in rows])  # [A, Tm], [A, Tm, H]
     r0, sc = rows[0], [r.scratch for r in rows]
-    ctx = FwdCtx.make(model.config, r0.device, r0.dtype, [s.slot for s in sc], [s.length for s in sc],
-                      [0] * len(rows), [0] * len(rows), toks.shape[1], False)
-    model.mtp_forward(toks, hid, ctx, r0.pool.mtp)  # [A, Tm, H]: only the K/V it writes is used
+    pos0 = [s.length for s in sc]
+    emb, rope = _image_inputs(model, rows, toks, pos0, [r.input_embeds(p + 1, r._mtp_tokens[:k]) if r.images else None
+                                                        for r, p, k in zip(rows, pos0, n)])
+    ctx = FwdCtx.make(model.config, r0.device, r0.dtype, [s.slot for s in sc], pos0,
+                      [0] * len(rows), [0] * len(rows), toks.shape[1], False, rope=rope)
+    if emb is None:
+        model.mtp_forward(toks, hid, ctx, r0.pool.mtp)  # [A, Tm, H]: only the K/V it writes is used
+    else:
+        model.mtp_forward(toks, hid, ctx, r0.pool.mtp, emb)
     for r, k in zip(rows, n):
         r.scratch.set_len(r.scratch.length + k)
-        r._mtp_tokens, r._mtp_hidden = [], None
+        r._mtp_tokens, r._mtp_hidden = r._mtp_tokens[k:], r._mtp_hidden[k:] if k < len(r._mtp_tokens) else None
+
+
+def _image_inputs(model: Qwen35ForCausalLM, rows: list[SessionState], ids: torch.Tensor, pos0: list[int],
+                  embeds: list[torch.Tensor | None]) -> tuple[torch.Tensor | None,
+                                                          tuple[torch.Tensor, torch.Tensor] | None]:
+    """A batched prefill or MTP forward's inputs when some of its rows belong to sessions with images: the input
+    embeddings [N, T, H] (the token embeddings, row i's first len(embeds[i]) replaced by embeds[i] where given) and
+    every token's rotary rows [N, T, R] (a session with images: `SessionState.rope_rows`; the others: the table's
+    rows at pos0[i] + t, the bits they rotate with otherwise). (None, None) when no row has images: the plain
+    forward. ids [N, T] (right-padded)."""
+    if not any(r.images for r in rows):
+        return None, None
+    N, T = ids.shape
+    emb = None
+    if any(e is not None for e in embeds):
+        emb = model.model.embed_tokens(ids)  # [N, T, H]
+        for i, e in enumerate(embeds):
+            if e is not None:
+                emb[i, :e.shape[0]] = e
+    cos, sin = rope_table(model.config, max(pos0) + T, ids.device, rows[0].dtype)
+    at = torch.tensor(pos0, device=ids.device)[:, None] + torch.arange(T, device=ids.device)  # [N, T]
+    cos, sin = cos[at], sin[at]  # [N, T, R] each
+    for i, r in enumerate(rows):
+        rr = r.rope_rows(pos0[i], T)
+        if rr is not None:
+            cos[i], sin[i] = rr
+    return emb, (cos, sin)

@@ -32,11 +32,13 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import PREFILL_GRID, GdnPool, PrefixCache, PrefixCacheStats, StatePool, block_keys, pool_bytes
+from .encoder import ImageEncoder, image_patches
 from .graphs import EAGER, GraphRunner, StepRunner, graph_buckets, padding_rows
+from .images import VisionStats
 from .model.ops import cpu
 from .model.ops import dispatch as ops
 from .model.qwen35 import Qwen35ForCausalLM
-from .prefill import flush_mtp_rows, packs_rows, prefill_rows, steps_match_prefill
+from .prefill import flush_mtp_rows, packs_rows, prefill_kernels, prefill_rows, steps_match_prefill
 from .spec import SpecSession, spec_round
 
 log = logging.getLogger("nextn.scheduler")
@@ -47,6 +49,11 @@ POOL_MEMORY_FRACTION = 0.8
 PREFIX_CACHE_MEMORY_FRACTION = 0.4
 #: ... and at most this much host RAM on a CPU.
 PREFIX_CACHE_CPU_CAP = 8 << 30
+#: The encoder cache's default budget (image embeddings kept by content hash).
+ENCODER_CACHE_BYTES = 512 * 2**20
+#: Patches the vision tower encodes per step at most (the first image of a step always runs): 16384 patches are
+#: four 1024 x 1024 pictures, so running streams keep decoding while a burst of images is encoded.
+ENCODER_PATCHES_PER_STEP = 16384
 
 
 class PoolTooLarge(RuntimeError):
@@ -97,11 +104,17 @@ class Scheduler:
     everything."""
 
     def __init__(self, model: Qwen35ForCausalLM, *, max_num_seqs: int, max_model_len: int, k: int,
-                 max_num_batched_tokens: int, step_graphs: bool | None = None, prefix_cache_bytes: int | None = 0):
+                 max_num_batched_tokens: int, step_graphs: bool | None = None, prefix_cache_bytes: int | None = 0,
+                 encoder_cache_bytes: int = ENCODER_CACHE_BYTES,
+                 encoder_patches_per_step: int = ENCODER_PATCHES_PER_STEP):
         """step_graphs: run the round through a `GraphRunner` (None: when the model is on the kernel path, i.e.
         CUDA with triton; on a CPU it executes the same static-buffer bodies without capturing, for tests).
         prefix_cache_bytes: the prefix cache's memory budget (0: no cache; None: PREFIX_CACHE_MEMORY_FRACTION of the
-        memory left free after the state pool, at most PREFIX_CACHE_CPU_CAP on a CPU)."""
+        memory left free after the state pool, at most PREFIX_CACHE_CPU_CAP on a CPU).
+        encoder_cache_bytes: the encoder cache's budget (image embeddings by content hash; 0: none), when the model
+        has a vision tower. encoder_patches_per_step: the tower's work per step (patches; the first image of a step
+        always runs): joining sessions' images are encoded between rounds under it, and a session's prefill waits
+        until the images it needs are encoded."""
         cfg = model.config
         self.model = model
         self.k = k if cfg.has_mtp else 0
@@ -125,7 +138,16 @@ class Scheduler:
         self.runner: StepRunner = GraphRunner(model, self.pool, self.buckets, scratch) if graphs else EAGER
         self.running: list[SpecSession] = []
         self.joining: collections.deque[SpecSession] = collections.deque()
-        self.packs = packs_rows(model)  # one prefill forward may carry several sessions' blocks
+        #: one prefill forward may carry several sessions' blocks (on the kernel path, `_forwards` asks again: the
+        #: startup self-check runs after this and may hand a prefill kernel to its twin)
+        self._prefill_kernels = prefill_kernels(model) if ops.use_triton(model.lm_head.weight) else None
+        self.packs = packs_rows(model, self._prefill_kernels)
+        tower, icfg = model.vision, model.image_config
+        self.encoder = ImageEncoder(tower, icfg, cfg.dtype, encoder_cache_bytes) if tower is not None \
+            and icfg is not None else None
+        self.encoder_patches_per_step = encoder_patches_per_step
+        self._patches_left = 0  # the step's encoder budget left
+        self._encoded = False  # an image was encoded this step
         if prefix_cache_bytes is None:
             prefix_cache_bytes = int(PREFIX_CACHE_MEMORY_FRACTION * max(0, avail - need))
             if torch.device(device).type == "cpu":
@@ -168,12 +190,18 @@ class Scheduler:
         """The prefix cache's counters and size now (None when it is off)."""
         return None if self.cache is None else PrefixCacheStats(**vars(self.cache.stats))
 
+    def vision_stats(self) -> VisionStats | None:
+        """The image counters since start (images encoded, encoder-cache hits, seconds encoding; a copy), or None
+        when the model has no vision tower."""
+        return None if self.encoder is None else VisionStats(**vars(self.encoder.stats))
+
     def add(self, sess: SpecSession) -> None:
         """A new session (built on this scheduler's pool) joins: it resumes from the longest cached prefix of its
         prompt, and the rest prefills in grid blocks from the next step."""
         assert sess.pool is self.pool, "sessions must be built with pool=scheduler.pool"
         if self.cache is not None and sess.cache.length == 0:
-            self._pkeys[sess] = block_keys(sess.prompt_ids, len(sess.prompt_ids) // PREFILL_GRID, self.cache.root)
+            self._pkeys[sess] = block_keys(sess.prompt_ids, len(sess.prompt_ids) // PREFILL_GRID, self.cache.root,
+                                           images=sess.image_keys)
             if sess.k > 0 or self.pool.mtp is None:  # a plain session in an MTP pool writes no MTP rows
                 self._writes[sess] = _Writes(keys=list(self._pkeys[sess]))
             if sess.want_prompt_logprobs is None:  # prompt logprobs need every prompt row: no resume
@@ -194,10 +222,26 @@ class Scheduler:
         sess.close()
 
     # -- prefix cache --------------------------------------------------------------------------------------------
+    def _row_failed(self, sess: SpecSession, err: Exception, where: str) -> None:
+        """A prefix-cache path raised for `sess` alone: that session fails (its request gets the error; the step
+        closes it, which frees its slot and releases its reserved blocks) and the batch goes on. The cache's index
+        is only ever extended by a complete block, so what it holds stays valid for every later request."""
+        log.error("prefix cache: %s failed for one session (%s: %s); that request fails alone", where,
+                  type(err).__name__, err, exc_info=(type(err), err, err.__traceback__))
+        sess.fail(err)
+
     def _resume(self, sess: SpecSession) -> None:
         """Restore the longest cached run of `sess`'s prompt blocks into its slot, when it is longer than what the
         session holds (a session that has prefilled nothing itself looks again each step: blocks a session ahead of
-        it computed may have landed)."""
+        it computed may have landed). If that raises, `sess` alone fails (`_row_failed`)."""
+        if sess.error is not None:
+            return
+        try:
+            self._resume_row(sess)
+        except Exception as e:  # noqa: BLE001 - one session's lookup / restore fails that session only
+            self._row_failed(sess, e, "resume")
+
+    def _resume_row(self, sess: SpecSession) -> None:
         pc, prompt = self.cache, sess.prompt_ids
         assert pc is not None
         ids = pc.lookup(prompt, self._pkeys[sess])
@@ -218,12 +262,12 @@ class Scheduler:
     def _keys(self, sess: SpecSession, w: _Writes, n: int) -> list[bytes]:
         assert self.cache is not None
         if len(w.keys) < n:
-            w.keys = block_keys(sess.committed, n, self.cache.root, w.keys)
+            w.keys = block_keys(sess.committed, n, self.cache.root, w.keys, images=sess.image_keys)
         return w.keys
 
     def _write_prefilled(self, rows: list[SpecSession]) -> None:
         """After a prefill wave: cache the block each row's forward just completed (its live state is the state at
-        the boundary)."""
+        the boundary). A row whose write raises fails alone (`_row_failed`)."""
         pc = self.cache
         for s in rows:
             w = self._writer(s)
@@ -231,9 +275,13 @@ class Scheduler:
             if w is None or L % PREFILL_GRID or L // PREFILL_GRID <= w.next:
                 continue
             b = L // PREFILL_GRID - 1
-            keys = self._keys(s, w, b + 1)
-            pc.insert(keys, s.committed, b, s.slot, s.slot if s.scratch is not None else None,
-                      window_slot=s.cache.cur, pre_last=s.last_pre)
+            try:
+                keys = self._keys(s, w, b + 1)
+                pc.insert(keys, s.committed, b, s.slot, s.slot if s.scratch is not None else None,
+                          window_slot=s.cache.cur, pre_last=s.last_pre)
+            except Exception as e:  # noqa: BLE001 - one session's block write fails that session only
+                self._row_failed(s, e, "writing a prefilled block")
+                continue
             w.next = b + 1
 
     def _capture_decoded(self, rows: list[SpecSession], before: list[int]) -> None:
@@ -249,11 +297,18 @@ class Scheduler:
                 b = B // PREFILL_GRID - 1
                 if b < w.next:
                     continue
-                bid = pc.reserve()
-                if bid is None:
+                bid = None
+                try:
+                    bid = pc.reserve()
+                    if bid is None:
+                        break
+                    # the verify forward's token t (position n + t) left its state in window slot t
+                    pc.capture_state(bid, s.slot, B - 1 - n, s.round_pre[B - 1 - n])
+                except Exception as e:  # noqa: BLE001 - one session's capture fails that session only
+                    if bid is not None:
+                        pc.release(bid)
+                    self._row_failed(s, e, "capturing a decoded block")
                     break
-                # the verify forward's token t (position n + t) left its state in window slot t
-                pc.capture_state(bid, s.slot, B - 1 - n, s.round_pre[B - 1 - n])
                 w.pending.append((b, bid))
                 w.next = b + 1
 
@@ -269,8 +324,18 @@ class Scheduler:
                 if s.error is not None:
                     pc.release(bid)
                 elif s.scratch is None or s.scratch.length >= (b + 1) * PREFILL_GRID - 1:
-                    pc.insert(self._keys(s, w, b + 1), s.committed, b, s.slot,
-                              s.slot if s.scratch is not None else None, bid=bid)
+                    key, had = None, False
+                    try:
+                        key = self._keys(s, w, b + 1)[b]
+                        had = pc.contains(key)
+                        pc.insert(self._keys(s, w, b + 1), s.committed, b, s.slot,
+                                  s.slot if s.scratch is not None else None, bid=bid)
+                    except Exception as e:  # noqa: BLE001 - one session's block write fails that session only
+                        # the reserved block goes back unless the insert may have placed or released it already
+                        # (its key was or now is indexed): a block lost to the budget, never one held twice
+                        if key is None or not (had or pc.contains(key)):
+                            pc.release(bid)
+                        self._row_failed(s, e, "writing a decoded block")
                 else:
                     keep.append((b, bid))
             w.pending = keep
@@ -281,6 +346,35 @@ class Scheduler:
             for _, bid in w.pending:
                 self.cache.release(bid)
 
+    # -- images --------------------------------------------------------------------------------------------------
+    def _images_ready(self, s: SpecSession) -> bool:
+        """Whether `s` holds every image embedding its prefill still needs; encodes (or takes from the encoder
+        cache) those missing while the step's patch budget lasts (the step's first image whatever its size). An
+        image that fails to encode fails its session."""
+        missing = s.images_missing()
+        if not missing:
+            return True
+        enc = self.encoder
+        if enc is None:  # (a session with images needs a tower to be built at all)
+            s.fail(RuntimeError("the model has no vision tower"))
+            return False
+        for k in missing:
+            inp = s.images[k]
+            emb = enc.cached(inp)
+            if emb is None:
+                p = image_patches(inp)
+                if self._encoded and p > self._patches_left:
+                    return False
+                try:
+                    emb = enc.encode(inp)
+                except Exception as e:  # noqa: BLE001 - an image that cannot be encoded fails its own request
+                    s.fail(e)
+                    return False
+                self._patches_left -= p
+                self._encoded = True
+            s.set_image_embedding(k, emb)
+        return True
+
     # -- the step ------------------------------------------------------------------------------------------------
     def _grants(self, budget: int) -> list[tuple[SpecSession, int]]:
         """How many grid blocks each joining session prefills this step, in arrival order: blocks while they fit
@@ -289,8 +383,11 @@ class Scheduler:
         from blocks that landed since it joined, and waits while a session ahead of it still has to compute its
         next block (the same prompt prefix arriving twice is computed once)."""
         out: list[tuple[SpecSession, int]] = []
+        failed: list[tuple[SpecSession, int]] = []  # sessions whose image failed: they leave this step
         coming: set[bytes] = set()  # full prompt blocks that sessions ahead in the queue will compute and cache
         for s in self.joining:
+            if s.finished:  # failed while joining (`_resume`): the step retires it
+                continue
             keys = self._pkeys.get(s)
             if keys is not None:
                 b = s.cache.length // PREFILL_GRID
@@ -299,11 +396,17 @@ class Scheduler:
                         self._readers.discard(s)
                     else:
                         self._resume(s)
+                        if s.finished:
+                            continue
                         b = s.cache.length // PREFILL_GRID
                         if b < (len(s.prompt_ids) - 1) // PREFILL_GRID and keys[b] in coming:
                             continue  # a session ahead computes this block: take it from the cache later
-                if s in self._writes:
-                    coming.update(keys[b:])
+            if s.images and not self._images_ready(s):
+                if s.finished:
+                    failed.append((s, 0))
+                continue  # it waits for its images; later prompts may go first
+            if keys is not None and s in self._writes:
+                coming.update(keys[b:])
             pos, left, n = s.cache.length, s.prefill_left, 0
             while left > 0:
                 c = min(left, PREFILL_GRID - pos % PREFILL_GRID)
@@ -316,13 +419,15 @@ class Scheduler:
                 out.append((s, n))
             if left > 0:
                 break  # arrival order: a later prompt never overtakes one that waits for budget
-        return out
+        return out + failed
 
     def _forwards(self, rows: list[SpecSession]) -> list[list[SpecSession]]:
-        """One wave's forwards, in order: one row each unless the model's prefill is row-wise (`packs_rows`); then a
+        """One wave's forwards, in order: one row each unless the model's prefill is row-wise (`packs_rows`, asked again
+        on the kernel path: a kernel that fell back to its twin since ends the packing); then a
         row joins the previous forward while its padded size (rows x longest block) stays within
         max_num_batched_tokens and every row's slot has room for the padding, else it starts the next one."""
-        if not self.packs:
+        if not self.packs or (self._prefill_kernels is not None
+                              and not packs_rows(self.model, self._prefill_kernels)):
             return [[s] for s in rows]
         out: list[list[SpecSession]] = []
         for s in rows:
@@ -351,6 +456,7 @@ class Scheduler:
     def step(self) -> StepResult:
         """One round for the running sessions, then prefill blocks under the token budget."""
         res = StepResult()
+        self._patches_left, self._encoded = self.encoder_patches_per_step, False
         counts = {s: len(s.emitted) for s in self.running}
         budget = self.max_num_batched_tokens - sum(s.k_round() + 1 for s in self.running)
         if self.running:
@@ -368,7 +474,7 @@ class Scheduler:
             rows = [s for s, n in grants if n > wave and s.prefilling and not s.finished]
             if rows:
                 self._prefill(rows)
-        for s, _ in grants:
+        for s in list(self.joining):  # prefilled, or failed (a prefill, or a prefix-cache path while joining)
             if not s.prefilling or s.finished:
                 self.joining.remove(s)
                 self._readers.discard(s)

@@ -4,14 +4,17 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
 
 from .cache import PREFILL_GRID, ModelCache, MtpScratch, StatePool
+from .encoder import encode_image
 from .forward import mtp_head_forward
-from .model.qwen35 import FwdCtx, Qwen35ForCausalLM
+from .images import ImageInput, mrope_positions, mrope_table_rows
+from .model.qwen35 import FwdCtx, Qwen35ForCausalLM, rope_table
 from .sampling import PenaltyState, SpecSampling, probs_from_logits, sample
 
 __all__ = ["SPEC_TELEM_POS", "DEFAULT_CAPMAX", "SpecTelemetry", "SpecConstraint", "TokenLogprob", "SessionState"]
@@ -114,6 +117,12 @@ class SessionState:
 
     It holds state and never drives a round: `engine.spec.SpecSession` (alone) and the scheduler do. k = 0 (or a
     model without MTP) is plain decode; `max_new_tokens` is never exceeded (the last rounds draft fewer tokens).
+
+    images: the prompt's pictures in order (engine/images.py `ImageInput`); the prompt holds image k's n_tokens
+    `<|image_pad|>` ids in one run (`expand_image_pads`). Their embeddings (`set_image_embedding`; alone, the session
+    encodes them itself) replace the pads' embeddings in prefill, for the trunk and for the MTP head's input. The
+    prompt's rotary positions are its M-RoPE positions (`mrope_positions`), every later token's its cache index +
+    `rope_delta`; the KV / GDN index of a token stays its cache index. Without images nothing changes.
     """
 
     def __init__(self, model: Qwen35ForCausalLM, prompt_ids: list[int], max_new_tokens: int, *, k: int = 3,
@@ -121,7 +130,7 @@ class SessionState:
                  eos_ids: list[int] | tuple[int, ...] | set[int] = (), p_min: float = 0.0,
                  capmax: int = DEFAULT_CAPMAX, logprobs: int | tuple[int, ...] | None = None, hidden_mode: str = "post",
                  max_len: int | None = None, stats_line: bool = False, pool: StatePool | None = None,
-                 prompt_logprobs: int | None = None):
+                 prompt_logprobs: int | None = None, images: Sequence[ImageInput] = ()):
         if not prompt_ids:
             raise ValueError("prompt must contain at least one token")
         if max_new_tokens < 1:
@@ -148,6 +157,13 @@ class SessionState:
         self.prompt_ids = list(prompt_ids)
         self.max_new_tokens = max_new_tokens
         self.device, self.dtype = model.lm_head.weight.device, cfg.dtype
+        self.images: tuple[ImageInput, ...] = tuple(images)
+        self.rope_delta = 0  # rotary position - cache index of every token after the prompt (images: < 0)
+        self._mrope: torch.Tensor | None = None  # [3, prompt] long: the prompt's M-RoPE positions (images only)
+        self.image_spans: list[tuple[int, int]] = []  # (first pad's index, pad count) of each image
+        self._image_embeds: list[torch.Tensor | None] = []  # [n_tokens, H] each until the prompt is prefilled
+        if self.images:
+            self._init_images()
         need = len(prompt_ids) + max_new_tokens + capmax + 1
         self.max_len = max(max_len or 0, need)
         self.pool: StatePool | None = None
@@ -188,6 +204,85 @@ class SessionState:
             raise ValueError(f"k={self.k} needs {self.k + 1} GDN state slots; the pool has {pool.window}")
         self.attach(pool, pool.alloc())
         self.begin_prefill(self.prompt_ids)
+
+    # ------------------------------------------------------------------ images
+    def _init_images(self) -> None:
+        """Check the images against the model and the prompt; the prompt's M-RoPE positions and rope delta."""
+        icfg, tower = self.model.image_config, self.model.vision
+        if tower is None or icfg is None:
+            raise ValueError("this model has no vision tower (a text-only checkpoint, or loaded language-model-only): "
+                             "it cannot take images")
+        self._mrope, self.rope_delta = mrope_positions(self.prompt_ids, [i.grid_thw for i in self.images], icfg)
+        pad, i, n = icfg.image_token_id, 0, len(self.prompt_ids)
+        for inp in self.images:  # mrope_positions checked the runs: image k's pads are the k-th run
+            while self.prompt_ids[i] != pad:
+                i += 1
+            j = i
+            while j < n and self.prompt_ids[j] == pad:
+                j += 1
+            if j - i != inp.n_tokens:
+                raise ValueError(f"image {len(self.image_spans)} has {inp.n_tokens} tokens but its prompt run has "
+                                 f"{j - i} image pads")
+            self.image_spans.append((i, j - i))
+            i = j
+        self._image_embeds = [None] * len(self.images)
+
+    @property
+    def image_keys(self) -> list[tuple[int, int, str]]:
+        """(first pad's index, pad count, content hash) of each image: what the prefix cache's block keys add to
+        the token ids (engine/cache.py `block_keys`). Empty for a text-only session."""
+        return [(a, n, inp.hash) for (a, n), inp in zip(self.image_spans, self.images)]
+
+    def images_missing(self) -> list[int]:
+        """Images whose embeddings the rest of the prefill needs and the session does not hold yet: those with pads
+        at or past the cache's length (a prefix restored from the cache needs none of its own images)."""
+        if not self.prefilling:
+            return []
+        L = self.cache.length
+        return [k for k, (a, n) in enumerate(self.image_spans) if a + n > L and self._image_embeds[k] is None]
+
+    def set_image_embedding(self, k: int, emb: torch.Tensor) -> None:
+        """Image k's embeddings [n_tokens, H] (the tower's output; the scheduler's encoder cache or `encode_images`)."""
+        if tuple(emb.shape) != (self.image_spans[k][1], self.cfg.hidden_size):
+            raise ValueError(f"image {k}: embeddings {tuple(emb.shape)}, want ({self.image_spans[k][1]}, "
+                             f"{self.cfg.hidden_size})")
+        self._image_embeds[k] = emb.to(device=self.device, dtype=self.dtype)
+
+    def encode_images(self) -> None:
+        """Alone: encode the images the prefill still needs with the model's tower (no cache)."""
+        for k in self.images_missing():
+            self.set_image_embedding(k, encode_image(self.model.vision, self.model.image_config, self.images[k],
+                                                     self.dtype))
+
+    def input_embeds(self, start: int, ids: list[int]) -> torch.Tensor | None:
+        """The input embeddings [len(ids), H] of the prompt tokens ids = prompt[start:start + len(ids)]: the token
+        embeddings with every image pad's row replaced by its image's embedding row; None for a session without
+        images or a span that holds no pad (then the embedding is the plain lookup). RuntimeError when an image it
+        needs is not encoded yet."""
+        end = start + len(ids)
+        hit = [(k, a, n) for k, (a, n) in enumerate(self.image_spans) if a < end and a + n > start]
+        if not hit:
+            return None
+        x = self.model.model.embed_tokens(torch.tensor(ids, device=self.device))  # [T, H]
+        for k, a, n in hit:
+            emb = self._image_embeds[k]
+            if emb is None:
+                raise RuntimeError(f"image {k} is not encoded yet")
+            lo, hi = max(a, start), min(a + n, end)
+            x[lo - start:hi - start] = emb[lo - a:hi - a]
+        return x
+
+    def rope_rows(self, start: int, T: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """cos, sin [T, R] of the tokens at cache indices start..start+T-1: the prompt's M-RoPE positions inside
+        the prompt, index + rope_delta after it; None for a session without images (its rows are the table's)."""
+        if self._mrope is None:
+            return None
+        idx = torch.arange(start, start + T)
+        pos = (idx + self.rope_delta).expand(3, -1).clone()  # [3, T]
+        inside = idx < self._mrope.shape[1]
+        pos[:, inside] = self._mrope[:, idx[inside]]
+        tab = rope_table(self.cfg, int(pos.max()) + 1, self.device, self.dtype)
+        return mrope_table_rows(tab, pos.to(self.device), self.model.image_config.mrope_section)
 
     # ------------------------------------------------------------------ public
     @property
@@ -261,9 +356,7 @@ class SessionState:
         if self.k > 0:
             assert self.scratch is not None
             self.scratch.set_len(n - 1)
-            ctx = FwdCtx.make(self.cfg, self.device, self.dtype, [self.slot], [n - 1], [0], [0], 1, False)
-            carrier = pre_last[None] if self.hidden_mode == "pre" else self.model.model.norm(pre_last[None], ctx)
-            self._queue_mtp_rows([self._to_prefill[n]], carrier)  # row n-1 = (token n, h_{n-1})
+            self._queue_mtp_rows([self._to_prefill[n]], self._boundary_carrier(pre_last))  # row n-1: (token n, h_{n-1})
 
     def begin_prefill(self, ids: list[int]) -> None:
         """Queue `ids` (a prompt, or a later turn's suffix) for prefill."""
@@ -272,14 +365,20 @@ class SessionState:
     @torch.inference_mode()
     def prefill_chunk(self) -> int:
         """Prefill the next grid block of the queued prompt (`next_chunk`) in one trunk forward; the MTP head takes
-        the block's rows right away, except the prompt's last row, which waits for the first token. The last block
-        also chooses and emits the first token. Returns the number of tokens prefilled."""
+        the block's rows right away, except its last row, which waits for the next block's forward (`mtp_ready`), or
+        for the first token after the prompt's last block. The last block also chooses and emits the first token.
+        Returns the number of tokens prefilled."""
         ids = self.next_chunk()
         cache = self.cache
+        self.encode_images()
         x = torch.tensor([ids], device=self.device)
+        rope = self.rope_rows(cache.length, len(ids))
+        emb = self.input_embeds(cache.length, ids)
         ctx = FwdCtx.make(self.cfg, self.device, self.dtype, [self.slot], [cache.length], [cache.cur], [cache.cur],
-                          len(ids), False)
-        self.prefilled(ids, self.model.forward_step(x, ctx, self.pool)[0], ctx)  # [t, H]
+                          len(ids), False, rope=None if rope is None else (rope[0][None], rope[1][None]))
+        pre = self.model.forward_step(x, ctx, self.pool) if emb is None else \
+            self.model.forward_step(x, ctx, self.pool, emb[None])  # [1, t, H]
+        self.prefilled(ids, pre[0], ctx)  # [t, H]
         return len(ids)
 
     def next_chunk(self) -> list[int]:
@@ -316,7 +415,11 @@ class SessionState:
         if self.k > 0:
             nxt = self._to_prefill[self._prefilled - len(ids) + 1:self._prefilled + 1]  # token i+1 of each row
             carrier = post if self.hidden_mode == "post" else pre
-            self._queue_mtp_rows(nxt, carrier[:len(nxt)])
+            if done:
+                self._queue_mtp_rows(nxt, carrier[:len(nxt)])
+            else:  # the block's last row waits for the next block's forward (`mtp_ready`), its carrier made as a
+                # resume at this boundary makes it
+                self._queue_mtp_rows(nxt, torch.cat([carrier[:len(nxt) - 1], self._boundary_carrier(pre[-1])]))
             if flush_mtp:
                 self._flush_mtp()
         if done:
@@ -330,6 +433,7 @@ class SessionState:
             return
         pre, post, ctx = self._last_row
         self._last_row = None
+        self._image_embeds = [None] * len(self.images)  # the prompt and its MTP rows are written: images done
         logits = self.model.logits(post[0], ctx=ctx)  # only the row that is used
         first = self._choose(logits)
         if self.k > 0:
@@ -429,20 +533,50 @@ class SessionState:
             return int(torch.argmax(row).item())
         return int(sample(probs_from_logits(row, self.sampling), self._gen).item())
 
+    @property
+    def mtp_ready(self) -> int:
+        """Queued MTP rows that a prefill flush writes now: all of them, except while the prompt still prefills, when
+        the last one (the row of the grid boundary the last block ended on) waits for the next block's forward.
+        So each prompt block's head forward covers rows bG-1 .. (b+1)G-2, exactly a prefix-cache block's MTP rows,
+        and a session resumed at a boundary runs the forwards a miss runs (the same rows, positions and shapes:
+        the same bits on every path, the torch path's shape-dependent rounding included)."""
+        return len(self._mtp_tokens) - (1 if self.prefilling and self._mtp_tokens else 0)
+
+    def _boundary_carrier(self, pre: torch.Tensor) -> torch.Tensor:
+        """The MTP carrier [1, H] of the last row of a grid block from its pre-norm hidden [H], computed alone (one
+        row), as a miss and a prefix-cache resume at that boundary both compute it."""
+        if self.hidden_mode == "pre":
+            return pre[None]
+        n = self.cache.length
+        ctx = FwdCtx.make(self.cfg, self.device, self.dtype, [self.slot], [n - 1], [0], [0], 1, False)
+        return self.model.model.norm(pre[None], ctx)
+
     def _queue_mtp_rows(self, tokens: list[int], hidden: torch.Tensor) -> None:
         self._mtp_tokens = self._mtp_tokens + tokens
         self._mtp_hidden = hidden if self._mtp_hidden is None else torch.cat([self._mtp_hidden, hidden])
 
     def _flush_mtp(self) -> None:
-        """Write every queued MTP row into the scratch (prefill: their next tokens are prompt tokens, so final)."""
-        n = len(self._mtp_tokens)
+        """Write the queued MTP rows that are ready (`mtp_ready`) into the scratch (prefill: their next tokens are
+        prompt tokens, so final)."""
+        n = self.mtp_ready
         if n == 0:
             return
         sc = self.scratch
         assert sc is not None and self._mtp_hidden is not None
-        mtp_head_forward(self.model, self._mtp_tokens[:n], self._mtp_hidden[:n], sc.length, sc)
+        emb, rope = self.mtp_inputs(sc.length, self._mtp_tokens[:n])
+        mtp_head_forward(self.model, self._mtp_tokens[:n], self._mtp_hidden[:n], sc.length, sc, embeds=emb,
+                         rope=rope)
         sc.set_len(sc.length + n)
         self._mtp_tokens, self._mtp_hidden = self._mtp_tokens[n:], self._mtp_hidden[n:]
+
+    def mtp_inputs(self, pos: int, tokens: list[int]) -> tuple[torch.Tensor | None,
+                                                               tuple[torch.Tensor, torch.Tensor] | None]:
+        """MTP rows at scratch positions pos.. (row i pairs token i+1 with the trunk's hidden at i): their input
+        embeddings [n, H] (image rows for pads; None: the plain lookup) and their rotary rows (the trunk's at
+        i; None: the table's), for a session with images."""
+        if not self.images:
+            return None, None
+        return self.input_embeds(pos + 1, tokens), self.rope_rows(pos, len(tokens))
 
     def _apply_constraint(self, logits: torch.Tensor, drafts: list[int], n_acc: int, bonus: int) -> tuple[int, int]:
         """Verify-side truncation rule; consumes the accepted drafts (the bonus is consumed in `_emit`)."""
@@ -506,15 +640,16 @@ class SessionState:
             print(self.stats_text(), file=sys.stderr)
 
 
-def _queued_mtp_rows(rows: list[SpecSession]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """Every row's queued MTP rows, right-padded to the longest queue: tokens [A, Tm] long (padding 0), carrier
-    hiddens [A, Tm, H] (padding zeros), and each row's queue length."""
-    n = [len(r._mtp_tokens) for r in rows]
+def _queued_mtp_rows(rows: list[SessionState], n: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                     list[int]]:
+    """The first n[a] queued MTP rows of each row a (default: its whole queue), right-padded to the longest: tokens
+    [A, Tm] long (padding 0), carrier hiddens [A, Tm, H] (padding zeros), and n."""
+    n = [len(r._mtp_tokens) for r in rows] if n is None else n
     Tm, r0 = max(n), rows[0]
-    toks = torch.tensor([r._mtp_tokens + [0] * (Tm - k) for r, k in zip(rows, n)], device=r0.device)  # [A, Tm]
-    if min(n) == Tm:
+    toks = torch.tensor([r._mtp_tokens[:k] + [0] * (Tm - k) for r, k in zip(rows, n)], device=r0.device)  # [A, Tm]
+    if min(n) == Tm and all(r._mtp_hidden.shape[0] == Tm for r in rows):
         return toks, torch.stack([r._mtp_hidden for r in rows]), n
     hid = torch.zeros(len(rows), Tm, r0._mtp_hidden.shape[-1], dtype=r0.dtype, device=r0.device)
     for a, r in enumerate(rows):
-        hid[a, :n[a]] = r._mtp_hidden
+        hid[a, :n[a]] = r._mtp_hidden[:n[a]]
     return toks, hid, n

@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import torch
 
-from .draft import _accept, _draft
+from .draft import _accept, _draft, rope_deltas
 from .forward import MTP_CHUNK, decode_step_t, mtp_head_forward
 from .graphs import EAGER, StepRunner
 from .model.qwen35 import Qwen35ForCausalLM
@@ -127,7 +127,8 @@ def spec_round(model: Qwen35ForCausalLM, rows: list[SpecSession], runner: StepRu
         drafts = drafts[keep, :max(ks)]  # [N', K'] as if the failed rows had never drafted
     tokens = torch.cat([torch.tensor([[r.pending] for r in rows], device=drafts.device), drafts.clamp_min(0)], 1)
     pre, post, logits = runner.verify(model, rows[0].pool, tokens, [r.slot for r in rows],
-                                      [r.cache.length for r in rows], [r.cache.cur for r in rows])  # [N, T, *]
+                                      [r.cache.length for r in rows], [r.cache.cur for r in rows],
+                                      **rope_deltas(rows))  # [N, T, *]
     n_acc, out = _accept(rows, logits, drafts, qs, ks)
     host = torch.cat([n_acc[:, None], (drafts >= 0).sum(1, keepdim=True), out], 1).tolist()  # the one host sync
     for i, r in enumerate(rows):

@@ -266,7 +266,8 @@ def test_no_vision_tower_gives_none(tmp_path):
     stripped = make_vl_checkpoint(tmp_path / "stripped", vision=False)  # vision_config but no model.visual.*
     assert VisionTower.from_checkpoint(stripped) is None
     assert images.ImageConfig.from_checkpoint(stripped).image_token_id == IDS["image_token_id"]
-    dummy = make_checkpoint(tmp_path / "dummy", layout="vlm", with_tokenizer=False)  # vision_config {"depth": 1}
+    dummy = make_checkpoint(tmp_path / "dummy", layout="vlm", with_tokenizer=False,
+                            vision_stub=True)  # vision_config {"depth": 1}
     with pytest.raises(ConfigError, match="hidden_size"):
         VisionTower.from_checkpoint(dummy)
 

@@ -75,10 +75,12 @@ def random_model(cfg: Qwen35Config, seed: int = 0) -> Qwen35ForCausalLM:
 
 def make_checkpoint(out_dir: str | Path, *, seed: int = 0, moe: bool = False, tie: bool = False, mtp: bool = True,
                     layout: str = "causal", sharded: bool = False, per_expert: bool = False,
-                    with_tokenizer: bool = True, **cfg_kw) -> Path:
+                    with_tokenizer: bool = True, vision_stub: bool = False, **cfg_kw) -> Path:
     """Write a random tiny checkpoint dir: config.json, model.safetensors (or 2 shards + index), optional
     tokenizer files. layout "causal" -> `model.*` keys; "vlm" -> nested text_config, `model.language_model.*`
-    keys and a dummy `model.visual.*` tensor. per_expert -> MoE experts as `experts.{e}.{gate,up,down}_proj`."""
+    keys and a placeholder vision_config without vision tensors (a text-only export: it loads text only);
+    vision_stub=True adds a dummy `model.visual.*` tensor (a vision tower that cannot load). per_expert -> MoE
+    experts as `experts.{e}.{gate,up,down}_proj`."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     eos = None
@@ -107,7 +109,8 @@ def make_checkpoint(out_dir: str | Path, *, seed: int = 0, moe: bool = False, ti
                 sd[f"{base}{e}.down_proj.weight"] = down[e].clone()
     if layout == "vlm":
         sd = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v for k, v in sd.items()}
-        sd["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 3)
+        if vision_stub:
+            sd["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 3)
         text = dict(raw)
         text.pop("architectures")
         raw = {"architectures": ["Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"],

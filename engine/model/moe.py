@@ -38,18 +38,20 @@ class MLP(nn.Module):
         """Serve with one gate|up GEMM (the separate weights become views of it)."""
         self._w_gu = fuse_linears([self.gate_proj, self.up_proj])
 
-    def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx=None, phase: str | None = None) -> torch.Tensor:
         """`ctx`: the forward's FwdCtx; in a step forward (`ctx.record`) an fp32 CPU model with fused weights runs
         the whole block as ops/cpu.py's C call (batch-invariant GEMMs), as does a prefill block
-        (`ctx.cpu_kernels`). No cache: the torch path."""
+        (`ctx.cpu_kernels`). No cache: the torch path. `phase`: the kernel path's matmul tiling (default: the
+        forward's, `FwdCtx.phase`; "step" without a context)."""
         if ctx is not None and ctx.cpu_kernels and self._w_gu is not None:
             y = cpu.mlp_or_none(x, self._w_gu, self.down_proj.weight)
             if y is not None:
                 return y
-        if ops.use_triton(x):  # kernel path: fused gate|up GEMM, fused SwiGLU
-            gu = ops.linear(x, self._w_gu) if self._w_gu is not None else torch.cat(
-                [ops.linear(x, self.gate_proj.weight), ops.linear(x, self.up_proj.weight)], dim=-1)
-            return ops.linear(ops.silu_mul(gu), self.down_proj.weight)
+        if ops.use_triton(x):  # kernel path: fused gate|up GEMM, fused SwiGLU, the forward's tiling (`phase`)
+            ph = phase or (ctx.phase if ctx is not None else "step")
+            gu = ops.linear(x, self._w_gu, phase=ph) if self._w_gu is not None else torch.cat(
+                [ops.linear(x, self.gate_proj.weight, phase=ph), ops.linear(x, self.up_proj.weight, phase=ph)], dim=-1)
+            return ops.linear(ops.silu_mul(gu), self.down_proj.weight, phase=ph)
         if self._w_gu is not None:
             gate, up = F.linear(x, self._w_gu).chunk(2, dim=-1)
             return self.down_proj(F.silu(gate) * up)
@@ -64,12 +66,13 @@ class Router(nn.Module):
         self.top_k = cfg.num_experts_per_tok
         self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
 
-    def forward(self, x: torch.Tensor, rowwise: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, rowwise: bool = False, phase: str = "step") -> tuple[torch.Tensor, torch.Tensor]:
         """rowwise: an fp32 CPU forward on the C kernels (the GEMM and the renormalising sum row by row, in a fixed
-        order, as on the kernel path)."""
+        order, as on the kernel path). phase: the kernel path's matmul tiling."""
         kern = ops.use_triton(x)
         c = cpu.linear_or_none(x, self.weight) if rowwise else None
-        logits = ops.linear(x, self.weight) if kern else c if c is not None else F.linear(x, self.weight)  # [N, E]
+        logits = (ops.linear(x, self.weight, phase=phase) if kern else c if c is not None
+                  else F.linear(x, self.weight))  # [N, E]
         p = torch.softmax(logits, dim=-1, dtype=torch.float32 if x.dtype != torch.float64 else torch.float64)
         w, idx = torch.topk(p, self.top_k, dim=-1)  # [N, k]
         if kern or c is not None:  # the k-term sum in slot order (a torch reduction may reorder it with the rows)
@@ -154,17 +157,19 @@ class SparseMoeBlock(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])  # [N, H]
         rowwise = ctx is not None and ctx.cpu_kernels and cpu.takes(flat)
-        w, idx = self.gate(flat, rowwise)
+        phase = ctx.phase if ctx is not None else "step"
+        w, idx = self.gate(flat, rowwise, phase)
         if ops.use_triton(flat):
-            return self._forward_kernels(flat, w, idx).reshape(shape)
+            return self._forward_kernels(flat, w, idx, phase).reshape(shape)
         gate = cpu.linear_or_none(flat, self.shared_expert_gate.weight) if rowwise else None  # [N, 1]
         gate = torch.sigmoid(self.shared_expert_gate(flat)) if gate is None else cpu.sigmoid(gate)
         y = self.experts(flat, w, idx, rowwise) + gate * self.shared_expert(flat, ctx if rowwise else None)
         return y.reshape(shape)
 
-    def _forward_kernels(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    def _forward_kernels(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, phase: str) -> torch.Tensor:
         """Kernel path, x [N, H]: routing slots sorted by expert on the device, gate|up and down as grouped
-        matmuls, then one combine kernel (slot order) that also adds the sigmoid-gated shared expert."""
+        matmuls (one tiling for every phase), then one combine kernel (slot order) that also adds the sigmoid-gated
+        shared expert; the dense GEMMs in the forward's tiling `phase`."""
         N, k = idx.shape
         ex = self.experts
         order, offsets = group_by_expert(idx, ex.gate_up_proj.shape[0])  # [N*k], [E+1]
@@ -172,5 +177,5 @@ class SparseMoeBlock(nn.Module):
         y = ops.grouped_linear(ops.silu_mul(gu), ex.down_proj, offsets)  # [N*k, H], sorted
         inv = torch.empty_like(order)
         inv[order] = torch.arange(order.numel(), device=order.device)  # routing slot -> sorted row
-        shared_gate = ops.linear(x, self.shared_expert_gate.weight)  # [N, 1]
-        return ops.moe_combine(y, inv, w.contiguous(), self.shared_expert(x), shared_gate)
+        shared_gate = ops.linear(x, self.shared_expert_gate.weight, phase=phase)  # [N, 1]
+        return ops.moe_combine(y, inv, w.contiguous(), self.shared_expert(x, phase=phase), shared_gate)

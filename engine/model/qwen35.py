@@ -24,7 +24,8 @@ Two implementations of the same math, chosen per tensor by `ops.use_triton` (CUD
     token steps, each row-wise with fixed sum orders, so a dense model's verify logits are bitwise the same alone,
     in any batch and at any T (and a short prompt's prefill state the same however it is chunked);
   * the kernel path: every linear (the fused projections, the LM head with fp32 logits, the MoE experts grouped
-    by expert) is the batch-invariant Triton matmul, norms and activations are fused row-wise kernels, and a
+    by expert) is the batch-invariant Triton matmul, in the tiling of the forward's kind (`FwdCtx.phase`: "step"
+    for decode, verify and drafts, "prefill" for prompt blocks and the MTP head's prompt rows), norms and activations are fused row-wise kernels, and a
     step forward (decode, verify, MTP draft) built with `FwdCtx.from_tensors` runs attention over the pool and
     the GDN conv + recurrent update as kernels on device tensors only (no host values), so it can be captured
     in a CUDA graph (engine/graphs.py). A row's outputs then do not depend on the other rows nor on T
@@ -85,13 +86,20 @@ class GatedRMSNorm(nn.Module):
         return ops.gated_rms_norm(x, z, self.weight, self.eps)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, ctx: FwdCtx | None = None) -> torch.Tensor:
-    """x @ w^T: the batch-invariant kernel on the kernel path, F.linear on the torch path; in a step forward or a
-    prefill block (`ctx.cpu_kernels`) of an fp32 CPU model, ops/cpu.py's batch-invariant C GEMM when this CPU
-    has AVX2 + FMA. An FP8 weight (kept only where the kernel path runs, engine/loader.py) takes ops.linear's FP8
-    matmul."""
+def matmul_phase(ctx: FwdCtx | None) -> str:
+    """The kernel path's matmul tiling for a forward of context `ctx` (engine/model/ops/matmul.py): "prefill" for a
+    host forward that writes final states only (a prompt's grid block, the MTP head's prompt rows), "step" for every
+    other (decode, verify, MTP drafts, the cache-free forward). Chosen by the forward's kind, never by its rows."""
+    return ctx.phase if ctx is not None else "step"
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, ctx: FwdCtx | None = None, phase: str | None = None) -> torch.Tensor:
+    """x @ w^T: the batch-invariant kernel on the kernel path (tiling `phase`, default `matmul_phase(ctx)`),
+    F.linear on the torch path; in a step forward or a prefill block (`ctx.cpu_kernels`) of an fp32 CPU model,
+    ops/cpu.py's batch-invariant C GEMM when this CPU has AVX2 + FMA. An FP8 weight (kept only where the kernel
+    path runs, engine/loader.py) takes ops.linear's FP8 matmul."""
     if ops.use_triton(x) or w.dtype == FP8:
-        return ops.linear(x, w)
+        return ops.linear(x, w, phase=phase or matmul_phase(ctx))
     if ctx is not None and ctx.cpu_kernels:
         y = cpu.linear_or_none(x, w)
         if y is not None:
@@ -202,25 +210,41 @@ class FwdCtx:
     device: torch.device | str | None = None  # host contexts: where the index tensors go
     rope_tab: tuple[torch.Tensor, torch.Tensor] | None = None  # host contexts: cos, sin [>= max(pos0) + T, R]
     _grid: tuple[torch.Tensor, ...] | None = None  # slot, pos0, read, write0 [N] long (`grid_index`)
+    rope_rows: bool = False  # host contexts: `rope` was given row by row (M-RoPE, a rope delta), not by position
 
     @classmethod
     def make(cls, cfg, device: torch.device | str, dtype: torch.dtype, slots: list[int], pos0: list[int],
-             read: list[int], write0: list[int], T: int, record: bool, lens: list[int] | None = None) -> FwdCtx:
+             read: list[int], write0: list[int], T: int, record: bool, lens: list[int] | None = None,
+             rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+             rope_delta: list[int] | None = None) -> FwdCtx:
         """The context of a host-driven forward: the host lists and the RoPE table (`rope_tab`). One row: no index
         tensors (None), RoPE rows as a slice of the table; N rows: the index tensors and gathered RoPE rows when
         the torch path first reads them. lens: N rows with record=False, their real lengths (<= T; the rest is
-        right padding)."""
+        right padding).
+
+        Rotary positions other than the cache positions (sessions with images; the KV / GDN index stays pos0..):
+        `rope` = each token's cos, sin rows [N, T, R] given (a prompt's M-RoPE rows, `engine.session`), or
+        `rope_delta` [N] = row i's tokens rotate at position pos0[i] + rope_delta[i] + t (decode, verify and drafts
+        after a prompt with images). Both go to every path as rows (`rope_rows`); a delta of all zeros is the
+        plain context, so a text-only forward keeps its bits."""
         N = len(slots)
         assert lens is None or (not record and len(lens) == N and max(lens) <= T)
+        if rope is None and rope_delta is not None and any(rope_delta):
+            at = [p + d for p, d in zip(pos0, rope_delta)]
+            assert min(at) >= 0, "rotary positions must be >= 0"
+            cos, sin = rope_table(cfg, max(at) + T, device, dtype)
+            positions = torch.tensor(at, device=device)[:, None] + torch.arange(T, device=device)  # [N, T]
+            rope = cos[positions], sin[positions]  # [N, T, R] each
         if N == 1:
             assert lens is None or lens[0] == T
             p0 = pos0[0]
             tab = cos, sin = rope_table(cfg, p0 + T, device, dtype)
             return cls(slots, pos0, read, write0, T, record, None, None, None, None, None,
-                       (cos[None, p0:p0 + T], sin[None, p0:p0 + T]), device=device, rope_tab=tab)
-        return cls(slots, pos0, read, write0, T, record, None, None, None, None, None, None,
+                       rope if rope is not None else (cos[None, p0:p0 + T], sin[None, p0:p0 + T]), device=device,
+                       rope_tab=tab, rope_rows=rope is not None)
+        return cls(slots, pos0, read, write0, T, record, None, None, None, None, None, rope,
                    lens=list(lens) if lens is not None and min(lens) < T else None, device=device,
-                   rope_tab=rope_table(cfg, max(pos0) + T, device, dtype))
+                   rope_tab=rope_table(cfg, max(pos0) + T, device, dtype), rope_rows=rope is not None)
 
     def _index(self) -> None:
         """N host rows: the index tensors and the gathered RoPE rows, once."""
@@ -233,7 +257,8 @@ class FwdCtx:
         self._slot_t, self._read_t = slot_t, torch.tensor(self.read, device=dev)
         self._write_t = write_t[:, None] + ar if self.record else write_t  # [N, T] or [N]
         self._kv_slot, self._kv_pos = slot_t.repeat_interleave(T), positions.reshape(N * T)
-        self._rope = (self.rope_tab[0][positions], self.rope_tab[1][positions])  # [N, T, R] each
+        if not self.rope_rows:  # (given rows stay)
+            self._rope = (self.rope_tab[0][positions], self.rope_tab[1][positions])  # [N, T, R] each
 
     slot_t = _Lazy()  # [N] long: each row's pool slot (None for one host row)
     read_t = _Lazy()  # [N] long: each row's read window slot (kernel path: its live slot)
@@ -248,6 +273,14 @@ class FwdCtx:
         if self._lens_t is None and self.lens is not None:
             self._lens_t = torch.tensor(self.lens, device=self.device)
         return self._lens_t
+
+    @property
+    def phase(self) -> str:
+        """The kernel path's matmul tiling for this forward: "prefill" for a host forward that writes final states
+        only (`record` False: a prompt's grid block, the MTP head's prompt rows), else "step" (ops/matmul.py). A
+        function of the forward's kind alone, so every row of a packed prefill and the same block alone run the same
+        tiling."""
+        return "prefill" if not self.kernels and not self.record else "step"
 
     @property
     def cpu_kernels(self) -> bool:
@@ -323,14 +356,17 @@ class FwdCtx:
 
     @classmethod
     def from_tensors(cls, slot: torch.Tensor, pos0: torch.Tensor, cur: torch.Tensor, T: int,
-                     rope_tab: tuple[torch.Tensor, torch.Tensor]) -> FwdCtx:
+                     rope_tab: tuple[torch.Tensor, torch.Tensor], rope_delta: torch.Tensor | None = None) -> FwdCtx:
         """Kernel-path step context from device tensors alone (capturable in a CUDA graph: no host values).
 
         slot, pos0, cur [N] long: row i's pool slot, the position of its first new token, its live GDN window slot.
         GDN layers read window slot cur[i] and write the state after token t to window slot t (pool_layout.md);
         attention writes K/V at pos0[i] + t. rope_tab: `rope_table(...)` covering every position used (the pool's
-        capacity), gathered here on the device."""
+        capacity), gathered here on the device. rope_delta [N] long (optional, a device tensor too): row i's tokens
+        rotate at pos0[i] + rope_delta[i] + t (a session with images), while K/V stay at pos0[i] + t."""
         positions = pos0[:, None] + torch.arange(T, device=pos0.device)  # [N, T]
+        if rope_delta is not None:
+            positions = positions + rope_delta[:, None]  # [N, T] rotary positions
         cos, sin = rope_tab
         return cls(None, None, None, None, T, True, slot, cur, None, None, None, (cos[positions], sin[positions]),
                    pos0, True)
@@ -373,12 +409,14 @@ class GatedAttention(nn.Module):
             if not grid and ctx is not None and kv is not None and ctx.cpu_kernels and cpu.takes(qkv):  # fused C
                 assert ctx.slots is not None and ctx.pos0 is not None and ctx.rope_tab is not None  # a host context
                 o = cpu.attn_step(qkv, one_plus(self.q_norm.weight, qkv.dtype), one_plus(self.k_norm.weight, qkv.dtype),
-                                  self.q_norm.eps, *ctx.rope_tab, kv.k, kv.v, ctx.slots, ctx.pos0, self.nh, self.nkv,
+                                  self.q_norm.eps, *(ctx.rope if ctx.rope_rows else ctx.rope_tab), kv.k, kv.v,
+                                  ctx.slots, ctx.pos0, self.nh, self.nkv,
                                   self.hd, self.hd ** -0.5)  # [N, T, nh*hd]
                 return linear(o, self.o_proj.weight, ctx)
             qg, k, v = qkv.split([nq, nk, nk], dim=-1)
         else:
-            qg, k, v = linear(x, self.q_proj.weight), linear(x, self.k_proj.weight), linear(x, self.v_proj.weight)
+            ph = matmul_phase(ctx)
+            qg, k, v = (linear(x, m.weight, phase=ph) for m in (self.q_proj, self.k_proj, self.v_proj))
         qg = qg.view(N, T, self.nh, 2 * self.hd)
         q, gate = qg[..., : self.hd], qg[..., self.hd:]  # [N, T, nh, hd] each (views)
         q = self.q_norm(q)  # [N, T, nh, hd]
@@ -394,7 +432,7 @@ class GatedAttention(nn.Module):
             ops.write_kv(kv.k, kv.v, k, v, slot, pos0)
             attend = ops.attention if ctx.kernels else ops.attention_prefill
             o = attend(q, kv.k, kv.v, slot, pos0, self.hd ** -0.5, gate)  # gated, [N, T, nh, hd]
-            return linear(o.reshape(N, T, self.nh * self.hd), self.o_proj.weight)
+            return linear(o.reshape(N, T, self.nh * self.hd), self.o_proj.weight, phase=ctx.phase)
         if ctx is None or kv is None:
             o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                is_causal=T > 1, scale=self.hd ** -0.5, enable_gqa=gqa)
@@ -422,7 +460,8 @@ class GatedAttention(nn.Module):
                                                    scale=self.hd ** -0.5, enable_gqa=gqa)  # [N, nh, T, hd]
             o = o.transpose(1, 2)  # [N, T, nh, hd]
         gate = gate.reshape(N, T, self.nh * self.hd)
-        return linear(o.reshape(N, T, self.nh * self.hd) * torch.sigmoid(gate), self.o_proj.weight)
+        return linear(o.reshape(N, T, self.nh * self.hd) * torch.sigmoid(gate), self.o_proj.weight,
+                      phase=matmul_phase(ctx))
 
 
 class GatedDeltaNet(nn.Module):
@@ -483,8 +522,8 @@ class GatedDeltaNet(nn.Module):
                 return linear(o, self.out_proj.weight, ctx)
             qkv, z, b, a = proj.split(self._split, dim=-1)
         else:
-            qkv, z, b, a = (linear(x, m.weight) for m in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b,
-                                                          self.in_proj_a))
+            qkv, z, b, a = (linear(x, m.weight, phase=matmul_phase(ctx))
+                            for m in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a))
         z = z.reshape(N, T, self.nv, self.dv)
         if ctx is not None and ctx.kernels:
             assert st is not None
@@ -502,7 +541,7 @@ class GatedDeltaNet(nn.Module):
         if grid:
             o = self._prefill_kernel(y, b, a, ctx, st)  # [N, T, nv, dv] in dt
             self._write_conv_end(window, ctx, st)
-            return linear(self.norm(o, z).reshape(N, T, self.nv * self.dv), self.out_proj.weight)
+            return linear(self.norm(o, z).reshape(N, T, self.nv * self.dv), self.out_proj.weight, phase=ctx.phase)
         Kd = self.nk * self.dk
         qk = l2norm(as_dtype(y[..., :2 * Kd].reshape(N, T, 2 * self.nk, self.dk), sdt))  # q and k heads in one pass
         r = self.nv // self.nk
@@ -555,7 +594,7 @@ class GatedDeltaNet(nn.Module):
                 st.rec_rows.index_copy_(0, wr, s)
             self._write_conv_end(window, ctx, st)
         o = self.norm(as_dtype(o, dt), z)  # [N, T, nv, dv]
-        return linear(o.reshape(N, T, self.nv * self.dv), self.out_proj.weight)
+        return linear(o.reshape(N, T, self.nv * self.dv), self.out_proj.weight, phase=matmul_phase(ctx))
 
     def _write_conv_end(self, window: torch.Tensor, ctx: FwdCtx, st: "GdnPool") -> None:
         """A forward that writes final states only: each row's conv state after its last real token (window
@@ -678,6 +717,15 @@ class Qwen35ForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.mtp = MtpHead(cfg) if cfg.has_mtp else None
+        self.vision = None  # the vision tower (engine/model/vision.py), `attach_vision`
+        self.image_config = None  # its engine/images.py ImageConfig
+
+    def attach_vision(self, tower: nn.Module | None, image_config) -> None:
+        """Serve images with `tower` (a VisionTower on this model's device, in its dtype) and `image_config` (an
+        engine.images.ImageConfig); None, None: text only. The tower is held beside the text model, not as a
+        submodule: the text model's parameters, state dict and fusing stay its own."""
+        self.__dict__["vision"] = tower
+        self.__dict__["image_config"] = image_config
 
     def fuse(self) -> None:
         """Inference layout: one GEMM per group of projections that read the same input (GDN qkv|z|b|a,
@@ -688,10 +736,12 @@ class Qwen35ForCausalLM(nn.Module):
                 m.fuse()
         pin_attributes(self)
 
-    def forward_step(self, ids: torch.Tensor, ctx: FwdCtx, pool: "StatePool") -> torch.Tensor:
+    def forward_step(self, ids: torch.Tensor, ctx: FwdCtx, pool: "StatePool",
+                     embeds: torch.Tensor | None = None) -> torch.Tensor:
         """ids [N, T] at the rows and positions `ctx` names in `pool` -> pre-final-norm hidden [N, T, H].
-        Writes every layer's K/V and GDN states as `ctx` says; the caller does the sessions' bookkeeping."""
-        x = self.model.embed_tokens(ids)
+        Writes every layer's K/V and GDN states as `ctx` says; the caller does the sessions' bookkeeping.
+        embeds [N, T, H]: the input embeddings to use instead of embed_tokens(ids) (image rows in a prompt)."""
+        x = self.model.embed_tokens(ids) if embeds is None else embeds
         for layer, st in zip(self.model.layers, pool.layers):
             x = layer(x, ctx, st)
         return x
@@ -721,9 +771,10 @@ class Qwen35ForCausalLM(nn.Module):
     def logits(self, h_post: torch.Tensor, out: torch.Tensor | None = None,
                ctx: FwdCtx | None = None) -> torch.Tensor:
         """Post-norm hidden [..., H] -> fp32 logits [..., V] (kernel path: the batch-invariant matmul, fp32 out,
-        written into `out` when given). `ctx`: the step forward's context (the CPU GEMM, see `linear`)."""
+        written into `out` when given). `ctx`: the forward's context (the CPU GEMM, see `linear`; the kernel path's
+        tiling, `matmul_phase`: a prompt row's logits run the prefill tiling)."""
         if ops.use_triton(h_post):
-            return ops.linear(h_post, self.lm_head.weight, out_dtype=torch.float32, out=out)
+            return ops.linear(h_post, self.lm_head.weight, out_dtype=torch.float32, out=out, phase=matmul_phase(ctx))
         y = linear(h_post, self.lm_head.weight, ctx).float()
         return y if out is None else out.copy_(y)
 
@@ -732,12 +783,13 @@ class Qwen35ForCausalLM(nn.Module):
         return self.logits(self.model.norm(self.forward_hidden(ids)))
 
     def mtp_forward(self, next_ids: torch.Tensor, hidden: torch.Tensor, pos0: "int | FwdCtx" = 0,
-                    kv: "KVPool | None" = None) -> torch.Tensor:
+                    kv: "KVPool | None" = None, embeds: torch.Tensor | None = None) -> torch.Tensor:
         """MTP rows: next_ids [N, T] (token i+1), hidden [N, T, H] (trunk hidden at i) -> head hidden [N, T, H]
         (post mtp.norm). `pos0` is a `FwdCtx` over the MTP KV pool `kv`, or (one sequence) the int position of
-        row 0 in slot 0 of `kv`. Without `kv`: causal over the rows, positions from 0. Logits: `self.logits(result)`."""
+        row 0 in slot 0 of `kv`. Without `kv`: causal over the rows, positions from 0. Logits: `self.logits(result)`.
+        embeds [N, T, H]: the embeddings of next_ids to use instead of embed_tokens(next_ids) (image rows)."""
         assert self.mtp is not None, "model has no MTP head"
-        emb = self.model.embed_tokens(next_ids)
+        emb = self.model.embed_tokens(next_ids) if embeds is None else embeds
         T = next_ids.shape[1]
         if kv is None:
             cos, sin = rope_cos_sin(torch.arange(T, device=next_ids.device), self.config.rotary_dim,

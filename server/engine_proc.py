@@ -38,6 +38,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from engine.scheduler import ENCODER_CACHE_BYTES
 from server.worker import (
     DEVICE_LOST_EXIT,
     DeviceLost,
@@ -85,7 +86,7 @@ class EngineSetup:
     grammar_cache_size: int
     kernels: str = "auto"  # the startup self-check's mode (Worker)
     language_model_only: bool = False  # load no vision tower
-    encoder_cache_bytes: int = 512 * 2**20  # the scheduler's image-embedding cache
+    encoder_cache_bytes: int = ENCODER_CACHE_BYTES  # the scheduler's image-embedding cache
     session_factory: Callable[..., Any] | None = None  # tests inject failures (a module-level callable)
 
 

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from engine.images import ImageInput
-from engine.scheduler import Scheduler
+from engine.scheduler import ENCODER_CACHE_BYTES, Scheduler
 from engine.selfcheck import startup
 from engine.spec import SpecConstraint, SpecSampling, SpecSession, SpecTelemetry
 from metrics.prometheus import ServingMetrics
@@ -314,7 +314,7 @@ class Worker(Drainable):
                  prefix_cache_bytes: int | None = 0, session_factory: SessionFactory = SpecSession,
                  outbox: Any = None, kernels: str = "auto",
                  on_device_lost: Callable[[DeviceLost, list[Job]], Any] | None = None,
-                 encoder_cache_bytes: int = 512 * 2**20) -> None:
+                 encoder_cache_bytes: int = ENCODER_CACHE_BYTES) -> None:
         self.model = model
         self.metrics = metrics
         self.k, self.p_min, self.capmax = k, p_min, capmax

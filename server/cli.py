@@ -272,14 +272,18 @@ def image_serving(settings: ServeSettings) -> ImageServing:
     from server.media import MediaPolicy
     from server.multimodal import ImageServing
 
+    total = MediaPolicy.total_timeout_s  # all of a request's images: at least one fetch's time
+    if settings.media_fetch_timeout > total:
+        log.info("images: a request's images may load for %g s (--media-fetch-timeout) instead of %g s",
+                 settings.media_fetch_timeout, total)
+        total = settings.media_fetch_timeout
     try:
         policy = MediaPolicy(
             allowed_media_domains=settings.allowed_media_domains,
             allowed_local_media_path=None if settings.allowed_local_media_path is None
             else str(settings.allowed_local_media_path),
             max_bytes=int(settings.media_max_mb * 2**20), fetch_timeout_s=settings.media_fetch_timeout,
-            total_timeout_s=max(MediaPolicy.total_timeout_s, settings.media_fetch_timeout),
-            allow_redirects=settings.media_allow_redirects)
+            total_timeout_s=total, allow_redirects=settings.media_allow_redirects)
     except ValueError as e:
         raise SettingsError(str(e)) from None
     return ImageServing.build(settings.model_dir, language_model_only=settings.language_model_only,

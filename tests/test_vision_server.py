@@ -22,6 +22,7 @@ import os
 import pickle
 import shutil
 import struct
+import subprocess
 import threading
 import time
 import zlib
@@ -40,7 +41,7 @@ from config.settings import ServeSettings, resolve
 from engine.images import ImageConfig, prepare_input
 from engine.tokenizer import Tokenizer
 from server.cli import build_server
-from tests.server_fixtures import DEMO_DIR, ServerThread, free_port, tiny_checkpoint, wait_until
+from tests.server_fixtures import DEMO_DIR, NEXTN, ServerThread, free_port, tiny_checkpoint
 from tests.vl_util import make_vl_checkpoint
 
 #: The demo tokenizer's vision ids (models/demo/tokenizer.json's added tokens) and its vocabulary size.
@@ -434,6 +435,16 @@ def test_engine_process_serves_images_as_the_in_process_worker(srv, client, vl_d
         assert s.metric("nextn_mm_images_encoded_total") == 1
     assert got.choices[0].token_ids == want.choices[0].token_ids
     assert got.prompt_token_ids == want.prompt_token_ids and got.usage.prompt_tokens == want.usage.prompt_tokens
+
+
+@pytest.mark.slow
+def test_nextn_serve_exits_2_on_pixel_bounds_the_checkpoint_refuses(vl_dir):
+    r = subprocess.run(NEXTN + ["serve", str(vl_dir), "--no-engine-process", "--port", str(free_port()),
+                                "--mm-processor-kwargs", '{"min_pixels": 1073741824}'],
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                       cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("nextn serve: error: --mm-processor-kwargs: min_pixels")
 
 
 def test_engine_process_carries_a_jobs_images(vl_dir):

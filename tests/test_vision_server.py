@@ -388,8 +388,19 @@ def test_language_model_only_refuses_images_and_serves_text(vl_dir):
         assert not s.worker.vision
 
 
-def test_checkpoint_without_a_vision_tower_refuses_images():
-    with ServerThread() as s:  # the tiny text-only checkpoint
+@pytest.fixture(scope="module")
+def text_only_export(vl_dir, tmp_path_factory) -> Path:
+    """The VL checkpoint's layout and config (vision_config included) without its model.visual.* weights."""
+    out = make_vl_checkpoint(tmp_path_factory.mktemp("export") / "vl", vocab_size=DEMO_VOCAB, vision=False)
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(vl_dir / name, out / name)
+    return out
+
+
+@pytest.mark.parametrize("checkpoint", ["text-only", "vision-config-without-weights"])
+def test_checkpoint_without_a_vision_tower_refuses_images(checkpoint, text_only_export):
+    server = ServerThread() if checkpoint == "text-only" else VLServer(text_only_export, max_model_len=MAX_MODEL_LEN)
+    with server as s:
         c = openai.OpenAI(base_url=s.base_url, api_key="none", max_retries=0)
         with pytest.raises(openai.BadRequestError, match="no vision tower") as e:
             chat(c, s, ask(image(_data_url(RED))))

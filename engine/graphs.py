@@ -216,7 +216,7 @@ class GraphRunner:
         B = self._ours(model, pool, N, T)
         if B is None:
             return EAGER.verify(model, pool, tokens, slots, pos0, cur, delta)
-        st = self._load("verify", B, tokens, None, slots, pos0, cur, [0] * N, delta or [0] * N)
+        st = self._load("verify", B, tokens, None, slots, pos0, cur, [0] * N, delta)
         pre, post, logits = self._run(st, self._verify_body)
         return pre[:N].clone(), post[:N].clone(), logits[:N]
 
@@ -227,15 +227,16 @@ class GraphRunner:
         if B is None:
             return EAGER.draft(model, pool, tokens, hidden, slots, pos0, last, delta)
         st = self._load("draft", B, tokens, hidden, slots, pos0, [0] * A, last if last is not None else [0] * A,
-                        delta or [0] * A)
+                        delta)
         h, logits = self._run(st, self._draft_body)
         return h[:A], logits[:A]
 
     # ------------------------------------------------------------------ internals
     def _load(self, kind: str, B: int, tokens: torch.Tensor, hidden: torch.Tensor | None, slots: list[int],
-              pos0: list[int], cur: list[int], last: list[int], delta: list[int]) -> _Step:
+              pos0: list[int], cur: list[int], last: list[int], delta: list[int] | None = None) -> _Step:
         """Copy a call's rows into the static buffers of (kind, B, T); the B - N padding rows get scratch slots,
-        position 0, window slot 0, rope delta 0, token 0 (one host-to-device copy for the indices)."""
+        position 0, window slot 0, rope delta 0, token 0 (one host-to-device copy for the indices). delta: the
+        rows' rope deltas (None: all 0)."""
         N, T = tokens.shape
         pad = B - N
         st = self._step(kind, B, T)
@@ -244,7 +245,7 @@ class GraphRunner:
             assert st.hidden is not None
             st.hidden[:N].copy_(hidden)
         z = [0] * pad
-        st.ix.copy_(_host_index(slots + self.scratch[:pad], pos0 + z, cur + z, last + z, delta + z,
+        st.ix.copy_(_host_index(slots + self.scratch[:pad], pos0 + z, cur + z, last + z, (delta or [0] * N) + z,
                                 device=self.device), non_blocking=True)
         return st
 

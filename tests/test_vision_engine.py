@@ -17,7 +17,7 @@ from PIL import Image
 import tests.hf_oracle  # noqa: F401  (blocks fla before transformers is imported)
 from engine import images
 from engine.cache import PREFILL_GRID as G
-from engine.graphs import GraphRunner
+from engine.graphs import EAGER, GraphRunner
 from engine.loader import CheckpointError, load_model
 from engine.model.ops import cpu
 from engine.model.ops import dispatch as ops
@@ -356,3 +356,35 @@ def test_kernel_path_graph_runner_with_images(dense):
         assert plain == ref
         spec, ss = run(2)
         assert spec == plain and sum(s.telem.accepted for s in ss) > 0
+
+
+@pytest.mark.slow
+def test_graph_bodies_take_the_rope_delta_as_a_row_input():
+    """The static-buffer verify and draft bodies (what a CUDA graph captures) read each row's rope delta from their
+    index buffer: loading other deltas into the same buffers changes the result, which equals the eager kernel
+    path's with those deltas, and the body reads no host value."""
+    from tests.test_kernel_path import _clone, _model, _no_host_reads, _prefilled
+
+    m = _model(False, "float32", seed=7)
+    base, cur = _prefilled(m, [6, 10, 3], seed=4)
+    g = torch.Generator().manual_seed(8)
+    slots, pos0, c = [2, 0, 1], [3, 6, 10], [cur[2], cur[0], cur[1]]
+    tokens = torch.randint(0, m.config.vocab_size, (3, 2), generator=g)
+    hid = torch.randn(3, 2, m.config.hidden_size, generator=g)
+    with ops.force_kernels(), torch.inference_mode():
+        outs = []
+        for delta in ([0, 0, 0], [-2, 0, -5]):
+            runner = GraphRunner(m, _clone(base), [1, 2, 4], scratch=[3])  # (a verify writes GDN window slots)
+            want = EAGER.verify(m, _clone(base), tokens, slots, pos0, c, delta)[2]
+            st = runner._load("verify", 4, tokens, None, slots, pos0, c, [0, 0, 0], delta)
+            with _no_host_reads():
+                got = runner._verify_body(st)[2][:3].clone()
+            assert torch.equal(got, want), f"verify, delta {delta}"
+            l_want = EAGER.draft(m, _clone(base), tokens, hid, slots, pos0, [1, 1, 1], delta)[1]
+            st = runner._load("draft", 4, tokens, hid, slots, pos0, [0, 0, 0], [1, 1, 1], delta)
+            with _no_host_reads():
+                l_got = runner._draft_body(st)[1][:3].clone()
+            assert torch.equal(l_got, l_want), f"draft, delta {delta}"
+            outs.append((got, l_got))
+        assert torch.equal(outs[0][0][1], outs[1][0][1])  # the row with delta 0 is unchanged
+        assert not torch.equal(outs[0][0][0], outs[1][0][0]) and not torch.equal(outs[0][1][2], outs[1][1][2])

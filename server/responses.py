@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -31,6 +32,19 @@ _TEXT_PARTS = ("input_text", "output_text", "text")
 #: Parts passed to chat as they are: images (`input_image`: image_url a data: or http(s) URL, `detail`), and videos
 #: (chat refuses them by name).
 _IMAGE_PARTS = IMAGE_PARTS + VIDEO_PARTS
+
+
+def _name_input(err: APIError, req: p.ResponsesRequest) -> None:
+    """Rename a chat error's `messages.N...` place (its param, and its message's mention) to where it is in the
+    Responses request, `input.M...` (M = N less the system message `instructions` became; `input` itself when it
+    is a string)."""
+    m = re.fullmatch(r"messages\.(\d+)(.*)", err.param or "")
+    offset = 1 if req.instructions else 0
+    if m is None or int(m.group(1)) < offset:
+        return
+    where = "input" if isinstance(req.input, str) else f"input.{int(m.group(1)) - offset}{m.group(2)}"
+    err.message = err.message.replace(str(err.param), where, 1)
+    err.param = where
 
 
 def _event(seq: list[int], type_: str, **fields: Any) -> str:
@@ -52,7 +66,11 @@ class ServingResponses:
         events when `req.stream`. Raises `APIError` as chat does."""
         log_ignored_fields(req)
         chat_req = self.to_chat(req)
-        prep, gen = await self.chat.submit(chat_req)
+        try:
+            prep, gen = await self.chat.submit(chat_req)
+        except APIError as e:
+            _name_input(e, req)
+            raise
         rid = p.random_id("resp")
         base = self._base(req, rid)
         if req.stream:

@@ -259,9 +259,12 @@ def test_responses_input_image(srv, client, vl_dir):
                                 input=[{"role": "user", "content": parts}])
     assert r.usage.input_tokens == chat_r.usage.prompt_tokens
     assert r.output_text == chat_r.choices[0].message.content
-    with pytest.raises(openai.BadRequestError, match="file_id"):
-        client.responses.create(model=srv.model, max_output_tokens=2, input=[{
-            "role": "user", "content": [{"type": "input_image", "file_id": "file-123"}]}])
+    with pytest.raises(openai.BadRequestError, match="file_id") as e:
+        client.responses.create(model=srv.model, max_output_tokens=2, instructions="Be brief.", input=[
+            {"role": "user", "content": "Hi"},
+            {"role": "user", "content": [{"type": "input_text", "text": "This:"},
+                                         {"type": "input_image", "file_id": "file-123"}]}])
+    assert e.value.body["param"] == "input.1.content.1"  # the place in the Responses request, not chat's
 
 
 def test_metrics_count_encoded_images_and_encoder_cache_hits(srv, client):

@@ -22,7 +22,7 @@ from engine.loader import CheckpointError, load_model
 from engine.model.ops import cpu
 from engine.model.ops import dispatch as ops
 from engine.scheduler import Scheduler
-from engine.spec import DraftedSession, SpecSession
+from engine.spec import DraftedSession, SpecSession, spec_round
 from tests.test_spec import forced_drafter
 from tests.tiny import make_checkpoint
 from tests.vl_util import IDS, make_vl_checkpoint
@@ -163,6 +163,54 @@ def test_greedy_with_images_equals_transformers(built, kind, torch_ops):
             cpu.set_enabled(prev)
 
 
+@pytest.mark.slow  # (transformers' import)
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_mtp_head_sees_the_images(built, kind):
+    """The first draft logits of a two-image request equal an independent reference: the MTP head run without a
+    cache over every prompt row, its inputs the embeddings of tokens 1.. with the image embeddings (transformers'
+    get_image_features) at the pads, the trunk's hiddens (transformers' last_hidden_state), and the prompt's 3-D
+    positions (images.mrope_positions / mrope_cos_sin)."""
+    from transformers import AutoModelForImageTextToText
+
+    d, model = built(kind)
+    hf = AutoModelForImageTextToText.from_pretrained(str(d), dtype=torch.float32).eval()
+    ids, imgs = _two(model)
+    cfg, mcfg = model.image_config, model.config
+    pix = torch.cat([images.input_rows(i, cfg) for i in imgs])
+    grid = torch.tensor([i.grid_thw for i in imgs])
+    x = torch.tensor([ids])
+
+    class Spy:  # the eager runner, keeping the draft logits of the round's first head forward
+        logits: list[torch.Tensor] = []
+
+        def verify(self, *a, **kw):
+            return EAGER.verify(*a, **kw)
+
+        def draft(self, *a, **kw):
+            h, lg = EAGER.draft(*a, **kw)
+            self.logits.append(lg[0].clone())
+            return h, lg
+
+    s = SpecSession(model, ids, 3, k=1, images=imgs)
+    s.step()  # prefill: the first token
+    spy = Spy()
+    spec_round(model, [s], spy)
+    first = s.emitted[0]
+    with torch.no_grad():
+        out = hf.model(input_ids=x, pixel_values=pix, image_grid_thw=grid, mm_token_type_ids=(x == PAD).long())
+        hidden = out.last_hidden_state[0]  # [n, H] post-norm
+        feats = hf.model.get_image_features(pixel_values=pix, image_grid_thw=grid)
+        feats = torch.cat(list(feats.pooler_output if hasattr(feats, "pooler_output") else feats))  # [pads, H]
+        nxt = torch.tensor(ids[1:] + [first])
+        emb = model.model.embed_tokens(nxt).clone()  # [n, H]
+        emb[nxt == PAD] = feats.to(emb.dtype)
+        pos, _ = images.mrope_positions(ids, [i.grid_thw for i in imgs], cfg)
+        cos, sin = images.mrope_cos_sin(pos, mcfg.rotary_dim, mcfg.rope_theta, cfg.mrope_section, torch.float32)
+        h = model.mtp(emb[None], hidden[None], None, None, (cos[None], sin[None]))  # [1, n, H]
+        ref = model.logits(h[0, -1])
+    torch.testing.assert_close(spy.logits[0], ref, rtol=1e-4, atol=1e-4, msg=kind)
+
+
 # ------------------------------------------------------------------------------------------ exactness
 
 def test_spec_equals_plain_with_images_every_k(dense):
@@ -300,9 +348,12 @@ def test_encoder_cache_and_budget(dense):
     _same(b.rows, a.rows, "encoder cache hit")
     small = _sched(model, encoder_cache_bytes=0)
     c = Rows(model, ids, 4, k=3, images=imgs, pool=small.pool)
+    bad = Rows(model, ids, 4, k=3, images=[imgs[0]._replace(rgb=imgs[0].rgb[:32]), imgs[1]], pool=small.pool)
+    small.add(bad)  # its picture disagrees with its grid: encoding it fails that request alone
     small.add(c)
     _run(small)
-    _same(c.rows, a.rows, "no encoder cache")
+    assert bad.finish_reason == "error" and "grid" in str(bad.error) and small.pool.num_free == small.pool.slots
+    _same(c.rows, a.rows, "no encoder cache, beside a failed image")
     assert small.vision_stats().encoder_cache_hits == 0
 
 

@@ -175,7 +175,9 @@ class Scheduler:
         return (f"state pool: {p.slots} slots x {p.capacity} positions, {p.window} GDN state slots each: "
                 f"KV {mib['kv']:.1f} MiB, GDN {mib['gdn']:.1f} MiB, MTP {mib['mtp']:.1f} MiB "
                 f"({sum(mib.values()):.1f} MiB on {p.device})" + (f"; {kernel}" if kernel else "") + f"; {cache}; "
-                f"prefill grid {PREFILL_GRID} tokens, {'rows packed' if self.packs else 'one row'} per forward")
+                f"prefill grid {PREFILL_GRID} tokens, {'rows packed' if self.packs else 'one row'} per forward"
+                + (f"; images: encoder cache {self.encoder.cache.capacity_bytes / 2**20:.0f} MiB, up to "
+                   f"{self.encoder_patches_per_step} patches encoded a step" if self.encoder is not None else ""))
 
     @property
     def has_room(self) -> bool:

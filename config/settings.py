@@ -50,10 +50,58 @@ DEFAULT_MAX_QUEUE_RANGE = (1024, 16384)
 #: --max-logprobs default: vLLM's (the OpenAI chat API's top_logprobs bound); -1 = no bound (the vocabulary).
 DEFAULT_MAX_LOGPROBS = 20
 FULL_VOCAB_LOGPROB_ENTRIES = 1 << 24  # logprobs -1 (the whole vocabulary): at most this many entries in a response
+#: Images per prompt without --limit-mm-per-prompt. vLLM allows 999; each http(s) image may be fetched up to
+#: --media-max-mb, so the default here bounds what one request can make the server fetch and decode.
+DEFAULT_IMAGES_PER_PROMPT = 16
+#: Modalities --limit-mm-per-prompt names (vLLM's keys); only images are served, the others may be given as 0.
+MM_MODALITIES = ("image", "video", "audio")
+#: Keys of --mm-processor-kwargs and of a request's `mm_processor_kwargs` (the image processor's pixel bounds, in
+#: either of transformers' spellings).
+MM_PROCESSOR_KEYS = ("min_pixels", "max_pixels", "size")
 
 
 class SettingsError(ValueError):
     """A setting is invalid; ``str(err)`` is one line fit for stderr."""
+
+
+def mm_limits(value: Mapping[str, Any]) -> dict[str, int]:
+    """vLLM's --limit-mm-per-prompt: modality -> count (`{"image": 4, "video": 0}`), a count also given as
+    `{"count": N, ...}` (vLLM's newer form); images default to DEFAULT_IMAGES_PER_PROMPT. ValueError naming what is
+    wrong."""
+    out = {"image": DEFAULT_IMAGES_PER_PROMPT}
+    for key, v in value.items():
+        if key not in MM_MODALITIES:
+            raise ValueError(f"unknown modality {key!r} (known: {', '.join(MM_MODALITIES)})")
+        n = v.get("count") if isinstance(v, dict) else v
+        if type(n) is not int or n < 0:
+            raise ValueError(f"{key} needs a count >= 0 (or {{\"count\": N}}), got {v!r}")
+        out[key] = n
+    return out
+
+
+def pixel_bounds(value: Any, where: str = "mm_processor_kwargs") -> tuple[int | None, int | None]:
+    """(min_pixels, max_pixels) of an image-processor kwargs object (--mm-processor-kwargs, a request's
+    `mm_processor_kwargs`): `min_pixels` / `max_pixels`, or transformers' `size` {shortest_edge, longest_edge}
+    (both pixel counts); None where not given. ValueError naming `where` and an unknown key or a bad value."""
+    if not isinstance(value, dict):
+        raise ValueError(f'{where} must be an object such as {{"max_pixels": 1048576}}')
+    unknown = sorted(set(value) - set(MM_PROCESSOR_KEYS))
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))} (supported: "
+                         f"{', '.join(MM_PROCESSOR_KEYS)})")
+    size = value.get("size") or {}
+    if not isinstance(size, dict) or set(size) - {"shortest_edge", "longest_edge"}:
+        raise ValueError(f"{where}: size must be an object with shortest_edge and/or longest_edge")
+    out = []
+    for name, alias in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
+        v = value.get(name, size.get(alias))
+        if v is not None and (type(v) is not int or v <= 0):
+            raise ValueError(f"{where}: {name} must be a positive integer (a pixel count), got {v!r}")
+        out.append(v)
+    lo, hi = out
+    if lo is not None and hi is not None and lo > hi:
+        raise ValueError(f"{where}: min_pixels {lo} is over max_pixels {hi}")
+    return lo, hi
 
 
 class ServeSettings(BaseModel):
@@ -148,6 +196,33 @@ class ServeSettings(BaseModel):
         "auto", description="cuda: every Triton kernel is checked against its torch twin at startup; auto = a kernel "
                             "that fails runs its twin instead (logged, in /health and the nextn_kernel_info gauge), "
                             "strict = any failed kernel or CUDA graph capture stops the server (exit 1; for a GPU CI)")
+    # --- images (vLLM's flags) ---
+    limit_mm_per_prompt: dict[str, Any] = Field(
+        {"image": DEFAULT_IMAGES_PER_PROMPT}, validate_default=True,
+        description='JSON: most items per prompt by modality, vLLM\'s form, e.g. \'{"image": 4}\' (images only; '
+                    f'default {{"image": {DEFAULT_IMAGES_PER_PROMPT}}}); more images in a request is a 400')
+    mm_processor_kwargs: dict[str, Any] | None = Field(
+        None, description='JSON: image preprocessing overrides, {"min_pixels": N, "max_pixels": N} (or "size": '
+                          '{"shortest_edge", "longest_edge"}); a request\'s own mm_processor_kwargs override these '
+                          "(default: the checkpoint's preprocessor_config.json)")
+    allowed_media_domains: tuple[str, ...] | None = Field(
+        None, description="host names http(s) image URLs may name (in the environment: separated by spaces or "
+                          "commas) (default: any host)")
+    allowed_local_media_path: Path | None = Field(
+        None, description="directory file:// image URLs may read from (default: file:// is refused)")
+    media_fetch_timeout: float = Field(
+        5.0, gt=0, description="seconds one http(s) image fetch may take (vLLM's VLLM_IMAGE_FETCH_TIMEOUT)")
+    media_max_mb: float = Field(
+        20.0, gt=0, allow_inf_nan=False, description="largest encoded image in MiB (an http body, a file, a data: "
+                                                    "URL's payload)")
+    media_allow_redirects: bool = Field(
+        False, description="follow http redirects for image URLs (each hop checked against the allowed domains)")
+    language_model_only: bool = Field(
+        False, description="load the text model only (no vision tower: its memory is saved); requests with images "
+                           "get 400")
+    mm_encoder_cache_mb: int = Field(
+        512, ge=0, description="memory for the engine's image-embedding cache in MiB (a repeated image is not "
+                               "encoded again; 0 = off)")
     engine_process: bool = Field(
         True, description="run the engine (model, scheduler) in its own process, so the HTTP event loop's work "
                           "never waits on the engine's GIL nor the engine on the loop's (--no-engine-process: one "
@@ -179,7 +254,24 @@ class ServeSettings(BaseModel):
     def _split_names(cls, v: Any) -> Any:
         return tuple(v.split()) if isinstance(v, str) else v
 
-    @field_validator("override_generation_config", mode="before")
+    @field_validator("limit_mm_per_prompt")
+    @classmethod
+    def _mm_limits(cls, v: dict[str, Any]) -> dict[str, int]:
+        return mm_limits(v)
+
+    @field_validator("mm_processor_kwargs")
+    @classmethod
+    def _pixel_bounds(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None:
+            pixel_bounds(v)
+        return v
+
+    @field_validator("allowed_media_domains", mode="before")
+    @classmethod
+    def _domains(cls, v: Any) -> Any:
+        return v.replace(",", " ").split() if isinstance(v, str) else v  # the environment's "a.example b.example"
+
+    @field_validator("override_generation_config", "limit_mm_per_prompt", "mm_processor_kwargs", mode="before")
     @classmethod
     def _parse_json(cls, v: Any) -> Any:
         if isinstance(v, str):
@@ -202,6 +294,11 @@ class ServeSettings(BaseModel):
     def prefix_cache_bytes(self) -> int | None:
         """`prefix_cache_gb` in bytes (None: the engine sizes it from free memory)."""
         return None if self.prefix_cache_gb is None else int(self.prefix_cache_gb * 2**30)
+
+    @property
+    def encoder_cache_bytes(self) -> int:
+        """`mm_encoder_cache_mb` in bytes."""
+        return self.mm_encoder_cache_mb * 2**20
 
     @property
     def url(self) -> str:

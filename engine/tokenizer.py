@@ -23,6 +23,11 @@ from tokenizers import Encoding
 from tokenizers import Tokenizer as _HFTokenizer
 
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+#: Content part types that are images: Chat Completions' and the Responses API's (transformers' own is "image").
+IMAGE_PART_TYPES = ("image_url", "input_image")
+#: An image part as chat templates read it (Qwen's official template tests ``item.type == 'image'``; ours renders
+#: it as ``<|vision_start|><|image_pad|><|vision_end|>``): the URL never reaches the template.
+IMAGE_PART: dict[str, str] = {"type": "image"}
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 #: Placeholders for special-token text found in messages are taken from Unicode's supplementary
 #: private use area B (U+100000..U+10FFFD), skipping any character the conversation already uses.
@@ -99,11 +104,15 @@ def _prepare_message(message: Any) -> dict[str, Any]:
 
     None-valued keys are dropped; reasoning given as ``thinking``/``reasoning`` is also exposed as
     ``reasoning_content`` (and vice versa); tool-call ``arguments`` that are a JSON object string are
-    parsed into a dict, as OpenAI clients send them, so templates render them as parameters.
+    parsed into a dict, as OpenAI clients send them, so templates render them as parameters; an image content part
+    (``image_url``, ``input_image``) becomes ``IMAGE_PART``, the shape Qwen's templates read.
     """
     if not isinstance(message, dict):
         raise ValueError(f"chat messages must be dicts, got {type(message).__name__}")
     msg = {k: v for k, v in message.items() if v is not None}
+    if isinstance(msg.get("content"), list):
+        msg["content"] = [dict(IMAGE_PART) if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES
+                          else part for part in msg["content"]]
     reasoning = next((msg[k] for k in _REASONING_FIELDS if k in msg), None)
     if reasoning is not None:
         msg = {"thinking": reasoning, **msg, "reasoning_content": reasoning}

@@ -31,7 +31,11 @@ Serving metrics: counters ``nextn_prompt_tokens_total``, ``nextn_generation_toke
 ``nextn_prefix_cache_hits_total`` (prompt tokens looked up and found, vLLM's semantics: hit rate =
 ``rate(hits) / rate(queries)``) and gauges ``nextn_prefix_cache_blocks`` and ``nextn_prefix_cache_bytes`` (the
 blocks its index holds), ``nextn_prefix_cache_resident_bytes`` (the memory it has allocated: indexed, reserved and
-free blocks; it grows up to the budget and is kept), ``nextn_prefix_cache_capacity_bytes``; and ``nextn_grammar_compile_seconds`` (nextn's own; vLLM has no
+free blocks; it grows up to the budget and is kept), ``nextn_prefix_cache_capacity_bytes``; the image counters
+``nextn_mm_images_encoded_total`` (images the vision tower encoded), ``nextn_mm_encoder_cache_hits_total`` (images
+whose embeddings came from the encoder cache instead) and ``nextn_mm_encoder_seconds_total`` (seconds spent
+encoding; nextn's own names, vLLM has none; present when the model has a vision tower; encoder cache hit rate =
+``rate(hits) / (rate(hits) + rate(encoded))``); and ``nextn_grammar_compile_seconds`` (nextn's own; vLLM has no
 such metric; buckets ``GRAMMAR_COMPILE_BUCKETS``: 1 ms .. 30 s on a 1-2.5-5 ladder, because llguidance
 compiles typical JSON schemas in milliseconds while large tool schemas can take seconds, and the
 server caps compilation well below a minute).
@@ -169,6 +173,10 @@ CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 
 _PREFIX = "nextn_"
 _VLLM_PREFIX = "vllm:"
+#: The image counters (nextn's own; vLLM has none): name and help, in `VisionStats`' field order.
+_MM_COUNTERS = (("mm_images_encoded", "Images the vision tower encoded."),
+                ("mm_encoder_cache_hits", "Images whose embeddings came from the encoder cache instead of the tower."),
+                ("mm_encoder_seconds", "Seconds the engine spent encoding images."))
 _LABELS = ("model_name", "engine")
 _ENGINE = "0"
 
@@ -314,6 +322,8 @@ class ServingMetrics:
         self._pc = (pc_queries.labels(*lv), pc_hits.labels(*lv), pc_bytes.labels(*lv), pc_blocks.labels(*lv),
                     pc_resident.labels(*lv), pc_capacity.labels(*lv))
         self._pc_seen = (0, 0)  # the engine's counters at the last `set_prefix_cache`
+        self._mm: tuple[Any, ...] | None = None  # the image counters, registered by the first `set_vision`
+        self._mm_seen: tuple[float, ...] = (0, 0, 0.0)  # the engine's counters at the last `set_vision`
 
         self._prompt = prompt.labels(*lv)
         self._generation = generation.labels(*lv)
@@ -419,6 +429,22 @@ class ServingMetrics:
             blocks.set(self._nonneg(stats.blocks, "prefix cache blocks"))
             resident.set(self._nonneg(stats.resident_bytes, "prefix cache resident bytes"))
             capacity.set(self._nonneg(stats.capacity_bytes, "prefix cache capacity"))
+
+    def set_vision(self, stats: Any) -> None:
+        """The engine's image counters (an ``engine.images.VisionStats``: cumulative ``images_encoded``,
+        ``encoder_cache_hits``, ``encoder_seconds``); each counter advances by the increase since the last call.
+        The first call registers the three families (the worker makes it at startup when the model has a vision
+        tower; a text-only server has none of them)."""
+        now = (int(stats.images_encoded), int(stats.encoder_cache_hits), float(stats.encoder_seconds))
+        with self._lock:
+            if self._mm is None:
+                lv = (self.model_name, _ENGINE)
+                self._mm = tuple(Counter(_PREFIX + name, doc, _LABELS, registry=self.registry).labels(*lv)
+                                 for name, doc in _MM_COUNTERS)
+            for child, new, old in zip(self._mm, now, self._mm_seen, strict=True):
+                if new > old:
+                    child.inc(new - old)
+            self._mm_seen = tuple(max(a, b) for a, b in zip(now, self._mm_seen, strict=True))
 
     def set_pool_usage(self, held: int, slots: int) -> None:
         """State-pool slots held by sessions out of the `slots` (``--max-num-seqs``) a session can hold; the

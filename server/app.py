@@ -266,7 +266,7 @@ async def _respond(raw: Request, work: Awaitable[BaseModel | SSEStream],
 
 _ERROR_DOCS = {
     400: "Bad request: malformed JSON, a field of the wrong type or out of range (param names it), a prompt "
-         "longer than the context",
+         "longer than the context, an image that cannot be used (the message names it and the problem)",
     401: "Missing or wrong API key (only when the server runs with --api-key)",
     404: "Unknown model",
     408: "The request body was not received in time (--timeout-body)",

@@ -39,6 +39,7 @@ from config.settings import (
 )
 
 if TYPE_CHECKING:  # the engine (torch) is imported only once `serve` needs it, so flag errors are instant
+    from server.multimodal import ImageServing
     from server.worker import Worker
 
 log = logging.getLogger("nextn")
@@ -67,11 +68,15 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
             continue
         elif name == "served_model_name":  # vLLM's nargs: the first name is reported, every name is accepted
             sp.add_argument(flag(name), dest=name, metavar="NAME", nargs="+", default=argparse.SUPPRESS, help=help_)
+        elif name == "allowed_media_domains":  # vLLM's nargs: --allowed-media-domains A B
+            sp.add_argument(flag(name), dest=name, metavar="DOMAIN", nargs="+", default=argparse.SUPPRESS, help=help_)
         elif f.annotation is bool:
             sp.add_argument(flag(name), dest=name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                             help=help_)
         else:
-            metavar = {"generation_config": "auto|vllm|DIR", "override_generation_config": "JSON"}.get(
+            metavar = {"generation_config": "auto|vllm|DIR", "override_generation_config": "JSON",
+                       "limit_mm_per_prompt": "JSON", "mm_processor_kwargs": "JSON",
+                       "media_fetch_timeout": "SECONDS"}.get(
                 name, "SECONDS" if name.startswith("timeout_") else name.split("_")[-1].upper())
             sp.add_argument(flag(name), dest=name, metavar=metavar, default=argparse.SUPPRESS, help=help_)
     sp.add_argument("--config", metavar="FILE", default=None,
@@ -164,7 +169,8 @@ def serve(args: argparse.Namespace) -> int:
     dtype = None if settings.dtype == "auto" else settings.dtype
     try:  # with an engine process, the model is loaded there (the same loader; its errors come back as one line)
         model = None if settings.engine_process else load_model(settings.model_dir, device=settings.device,
-                                                                dtype=dtype, progress=True)
+                                                                dtype=dtype, progress=True,
+                                                                language_model_only=settings.language_model_only)
         tokenizer = Tokenizer.from_dir(settings.model_dir)
     except (ConfigError, CheckpointError, ValueError, OSError) as e:
         return _fail(1, f"cannot load {settings.model_dir}: {e}")
@@ -174,8 +180,12 @@ def serve(args: argparse.Namespace) -> int:
 
     try:
         return run_server(settings, model, tokenizer, generation_defaults=defaults)
+    except SettingsError as e:  # a setting the checkpoint refuses (--mm-processor-kwargs, --allowed-local-media-path)
+        return _fail(2, str(e))
     except (PoolTooLarge, EngineStartError, KernelCheckFailed) as e:
         return _fail(1, str(e))
+    except ConfigError as e:  # an unusable preprocessor_config.json
+        return _fail(1, f"cannot load {settings.model_dir}: {e}")
 
 
 def build_server(settings: ServeSettings, model: Any, tokenizer: Any, generation_defaults: Any = None,
@@ -201,6 +211,7 @@ def build_server(settings: ServeSettings, model: Any, tokenizer: Any, generation
                              compat_vllm=settings.metrics_compat == "vllm",
                              optipipe_stats=arm_research_door(settings.research_opti_controller_q, k))
     cfg = model.config if model is not None else load_config(settings.model_dir)
+    images = image_serving(settings)  # before the engine starts: a bad setting fails fast
     worker: Any
     if settings.engine_process:
         from server.engine_proc import EngineProcess, EngineSetup
@@ -211,7 +222,8 @@ def build_server(settings: ServeSettings, model: Any, tokenizer: Any, generation
                             settings.max_model_len, settings.max_num_batched_tokens, settings.prefix_cache_bytes,
                             settings.grammar_max_bytes,
                             settings.grammar_compile_timeout, settings.grammar_cache_size, kernels=settings.kernels,
-                            **worker_kw)
+                            language_model_only=settings.language_model_only,
+                            encoder_cache_bytes=settings.encoder_cache_bytes, **worker_kw)
         worker = EngineProcess(setup, metrics, max_queue=settings.max_queue, max_num_seqs=settings.max_num_seqs)
         worker.start()  # the child loads the model and reserves its pool; raises when it cannot
         dtype = worker.dtype
@@ -221,10 +233,13 @@ def build_server(settings: ServeSettings, model: Any, tokenizer: Any, generation
         worker = Worker(model, metrics, k=k, p_min=settings.spec_draft_p_min, capmax=settings.spec_capmax,
                         max_num_seqs=settings.max_num_seqs, max_queue=settings.max_queue,
                         max_model_len=settings.max_model_len, max_num_batched_tokens=settings.max_num_batched_tokens,
-                        prefix_cache_bytes=settings.prefix_cache_bytes, kernels=settings.kernels, **worker_kw)
+                        prefix_cache_bytes=settings.prefix_cache_bytes, kernels=settings.kernels,
+                        encoder_cache_bytes=settings.encoder_cache_bytes, **worker_kw)
         worker.start()
         dtype = str(cfg.dtype).removeprefix("torch.")
     metrics.set_kernel_info(worker.kernel_info)
+    images = images.served_by(worker.vision)
+    log.info("%s", images.describe())
     structured = StructuredOutputs(tokenizer, n_vocab=cfg.vocab_size, metrics=metrics,
                                    max_bytes=settings.grammar_max_bytes, timeout_s=settings.grammar_compile_timeout,
                                    cache_size=settings.grammar_cache_size)
@@ -237,7 +252,7 @@ def build_server(settings: ServeSettings, model: Any, tokenizer: Any, generation
                                   max_model_len=settings.max_model_len, vocab_size=cfg.vocab_size, k=k,
                                   structured=structured, max_logprobs=settings.max_logprobs,
                                   generation_defaults=generation_defaults)
-    chat = ServingChat(special_tokens_in_content=settings.allow_special_tokens_in_content, **common)
+    chat = ServingChat(special_tokens_in_content=settings.allow_special_tokens_in_content, images=images, **common)
     api_key = settings.api_key.get_secret_value() if settings.api_key is not None else None
     app = build_app(serving_chat=chat, serving_completion=ServingCompletion(**common), worker=worker,
                     metrics=metrics, model_root=str(settings.model_dir), api_key=api_key,
@@ -247,6 +262,33 @@ def build_server(settings: ServeSettings, model: Any, tokenizer: Any, generation
                             http=protocol, loop=event_loop(), timeout_keep_alive=settings.timeout_keep_alive)
     structured.start()  # the grammar tokenizer is built in the background (seconds at the real vocabulary)
     return NextnServer(config, worker, settings, dtype=dtype)
+
+
+def image_serving(settings: ServeSettings) -> ImageServing:
+    """What the server does with images, from the settings and the checkpoint's files (the engine's model then says
+    whether it loaded a vision tower: `ImageServing.served_by`). Raises SettingsError for a media setting that
+    cannot be used (an --allowed-local-media-path that is not a directory; --mm-processor-kwargs outside what the
+    checkpoint allows)."""
+    from server.media import MediaPolicy
+    from server.multimodal import ImageServing
+
+    total = MediaPolicy.total_timeout_s  # all of a request's images: at least one fetch's time
+    if settings.media_fetch_timeout > total:
+        log.info("images: a request's images may load for %g s (--media-fetch-timeout) instead of %g s",
+                 settings.media_fetch_timeout, total)
+        total = settings.media_fetch_timeout
+    try:
+        policy = MediaPolicy(
+            allowed_media_domains=settings.allowed_media_domains,
+            allowed_local_media_path=None if settings.allowed_local_media_path is None
+            else str(settings.allowed_local_media_path),
+            max_bytes=int(settings.media_max_mb * 2**20), fetch_timeout_s=settings.media_fetch_timeout,
+            total_timeout_s=total, allow_redirects=settings.media_allow_redirects)
+    except ValueError as e:
+        raise SettingsError(str(e)) from None
+    return ImageServing.build(settings.model_dir, language_model_only=settings.language_model_only,
+                              max_images=settings.limit_mm_per_prompt["image"],
+                              mm_processor_kwargs=settings.mm_processor_kwargs, policy=policy)
 
 
 def event_loop() -> str:

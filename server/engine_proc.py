@@ -38,6 +38,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from engine.scheduler import ENCODER_CACHE_BYTES
 from server.worker import (
     DEVICE_LOST_EXIT,
     DeviceLost,
@@ -84,6 +85,8 @@ class EngineSetup:
     grammar_timeout_s: float
     grammar_cache_size: int
     kernels: str = "auto"  # the startup self-check's mode (Worker)
+    language_model_only: bool = False  # load no vision tower
+    encoder_cache_bytes: int = ENCODER_CACHE_BYTES  # the scheduler's image-embedding cache
     session_factory: Callable[..., Any] | None = None  # tests inject failures (a module-level callable)
 
 
@@ -102,6 +105,7 @@ class _JobSpec:
     grammar: Any  # GrammarSource, or None
     reasoning: bool
     arrival: float  # the parent's time.monotonic() at the job's creation (CLOCK_MONOTONIC: one clock for both)
+    images: tuple = ()  # the job's `ImageInput`s (their numpy pictures pickle as they are)
 
 
 # -- child ----------------------------------------------------------------------------------------------
@@ -111,7 +115,7 @@ class _RelayMetrics:
     """The child's stand-in for `ServingMetrics`: records the worker's calls for the parent to replay."""
 
     _CALLS = ("observe_queue_time", "observe_ttft", "observe_itl", "add_spec", "set_running", "set_waiting",
-              "set_prefix_cache", "set_pool_usage")
+              "set_prefix_cache", "set_vision", "set_pool_usage")
 
     def __init__(self, relay: _Relay) -> None:
         for name in self._CALLS:
@@ -242,7 +246,8 @@ def _engine_main(setup: EngineSetup, cmds: Connection, out: Connection) -> None:
     cpu.configure(torch_threads=setup.cpu_threads if on_cpu else None,
                   kernel_threads=setup.cpu_kernel_threads if on_cpu else None, enabled=setup.cpu_kernel)
     try:
-        model = load_model(setup.model_dir, device=setup.device, dtype=setup.dtype, progress=True)
+        model = load_model(setup.model_dir, device=setup.device, dtype=setup.dtype, progress=True,
+                           language_model_only=setup.language_model_only)
     except (ConfigError, CheckpointError, ValueError, OSError) as e:  # as `nextn serve` words a failed load
         out.send(("fatal", f"cannot load {setup.model_dir}: {e}"))
         return
@@ -254,7 +259,7 @@ def _engine_main(setup: EngineSetup, cmds: Connection, out: Connection) -> None:
         worker = Worker(model, relay.metrics, k=setup.k, p_min=setup.p_min, capmax=setup.capmax,
                         max_num_seqs=setup.max_num_seqs, max_queue=1 << 30,  # the parent bounds the queue
                         max_model_len=setup.max_model_len, max_num_batched_tokens=setup.max_num_batched_tokens,
-                        prefix_cache_bytes=setup.prefix_cache_bytes,
+                        prefix_cache_bytes=setup.prefix_cache_bytes, encoder_cache_bytes=setup.encoder_cache_bytes,
                         session_factory=setup.session_factory or SpecSession, outbox=relay, kernels=setup.kernels,
                         on_device_lost=relay.device_lost)
     except (PoolTooLarge, KernelCheckFailed) as e:
@@ -276,7 +281,7 @@ def _engine_main(setup: EngineSetup, cmds: Connection, out: Connection) -> None:
             os._exit(70)
 
     threading.Thread(target=watch, name="nextn-engine-watch", daemon=True).start()
-    out.send(("ready", str(model.config.dtype).removeprefix("torch."), worker.kernel_info))
+    out.send(("ready", str(model.config.dtype).removeprefix("torch."), worker.kernel_info, worker.vision))
     jobs: dict[int, _ChildJob] = {}
     while True:
         try:
@@ -290,7 +295,7 @@ def _engine_main(setup: EngineSetup, cmds: Connection, out: Connection) -> None:
             for spec in msg[1]:
                 job = _ChildJob(spec.index, spec.prompt_ids, spec.max_new_tokens, spec.sampling, spec.eos_ids,
                                 spec.logprobs, None, None, prompt_logprobs=spec.prompt_logprobs,  # type: ignore[arg-type]
-                                arrival=spec.arrival)
+                                arrival=spec.arrival, images=spec.images)
                 job.key, job.relay = spec.key, relay
                 jobs[spec.key] = job
                 if spec.grammar is None:
@@ -330,6 +335,7 @@ class EngineProcess(Drainable):
         self.max_queue, self.max_num_seqs = max_queue, max_num_seqs
         self.dtype = "?"
         self.kernel_info: dict[str, str] = {}  # the child's startup self-check: kernel -> "triton" | "torch"
+        self.vision = False  # the child's model has a vision tower
         self._cv = threading.Condition()
         self._jobs: dict[int, Job] = {}  # sent, no `done` event yet
         self._keys = itertools.count()
@@ -373,7 +379,7 @@ class EngineProcess(Drainable):
         if msg[0] != "ready":
             self._proc.join(30)
             raise EngineStartError(msg[1])
-        self.dtype, self.kernel_info = msg[1], msg[2]
+        self.dtype, self.kernel_info, self.vision = msg[1], msg[2], msg[3]
         log.info("engine process started (pid %d)", self._proc.pid)
         self._reader = threading.Thread(target=self._read, name="nextn-engine-reader", daemon=True)
         self._reader.start()
@@ -452,7 +458,8 @@ class EngineProcess(Drainable):
                 raise ValueError("the engine process serves grammar constraints only (GuidanceConstraint)")
             grammar, reasoning = src, bool(getattr(job.constraint, "reasoning", False))
         return _JobSpec(next(self._keys), job.index, list(job.prompt_ids), job.max_new_tokens, job.sampling,
-                        list(job.eos_ids), job.logprobs, job.prompt_logprobs, grammar, reasoning, job.arrival)
+                        list(job.eos_ids), job.logprobs, job.prompt_logprobs, grammar, reasoning, job.arrival,
+                        tuple(job.images))
 
     def _cancel(self, job: Job) -> None:
         key = getattr(job, "key", None)

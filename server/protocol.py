@@ -160,11 +160,23 @@ class ResponseFormat(OpenAIBaseModel):
     json_schema: dict[str, Any] | None = None
 
 
+class ImageURL(OpenAIBaseModel):
+    url: str = Field(description="a data: URL (base64), an http(s) URL, or file:// under --allowed-local-media-path")
+    detail: str | None = Field(None, description="accepted (auto, low, high); the image is sized by the pixel bounds "
+                                                 "(mm_processor_kwargs), not by detail")
+
+
 class ContentPart(OpenAIBaseModel):
-    """One part of a list-valued message `content`; only ``text`` parts can be served (checked later)."""
+    """One part of a list-valued message `content`: ``text``, or ``image_url`` (``input_image`` from the Responses
+    API); ``video_url`` is refused (not supported yet), as is any other type (checked later)."""
 
     type: str
     text: str | None = None
+    image_url: ImageURL | str | None = Field(None, description="image_url parts: {url, detail}; input_image parts: "
+                                                              "the URL")
+    detail: str | None = Field(None, description="input_image parts: accepted (as image_url.detail)")
+    file_id: str | None = Field(None, description="input_image parts by file id: not supported (400: no Files API)")
+    video_url: dict[str, Any] | None = Field(None, description="not supported yet (400)")
 
 
 class ChatMessage(OpenAIBaseModel):
@@ -281,6 +293,10 @@ class ChatCompletionRequest(_SamplingFields):
     structured_outputs: dict[str, Any] | None = Field(
         None, description="vLLM's constraint: exactly one of json (a schema), regex, grammar (lark), choice (a list "
                           "of strings) or json_object (true); disable_any_whitespace, whitespace_pattern")
+    mm_processor_kwargs: dict[str, Any] | None = Field(
+        None, max_length=MAX_OBJECT_FIELDS,
+        description="vLLM's: this request's image pixel bounds, {min_pixels, max_pixels} (or size {shortest_edge, "
+                    "longest_edge}), over the server's --mm-processor-kwargs")
     echo: bool = Field(False, description="vLLM: start the output with the last message's content when its role "
                                           "is the reply's (continue_final_message)")
     add_generation_prompt: bool = Field(True, description="vLLM: end the prompt with the assistant turn's opening")
@@ -341,8 +357,9 @@ class CompletionRequest(_SamplingFields):
 
 
 class ResponsesRequest(OpenAIBaseModel):
-    """POST /v1/responses (OpenAI's Responses API), text in and out. `input` is a string or a list of message
-    items ({role, content} with content a string or input_text parts; `type: "message"` optional);
+    """POST /v1/responses (OpenAI's Responses API), text and images in, text out. `input` is a string or a list of
+    message items ({role, content} with content a string or input_text / input_image parts; `type: "message"`
+    optional);
     `instructions` becomes the system message. Options that need state or tools nextn does not have are a 400."""
 
     model: str
@@ -394,6 +411,8 @@ class SpecUsage(BaseModel):
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = Field(0, description="prompt tokens resumed from the exact prefix cache instead of prefilled "
                                               "(whole 256-token grid blocks; the answer's bits are a miss's)")
+    image_tokens: int | None = Field(None, exclude_if=_omit_none,
+                                     description="prompt tokens that are images' embeddings (absent without images)")
 
 
 class UsageInfo(BaseModel):

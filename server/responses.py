@@ -1,4 +1,4 @@
-"""POST /v1/responses: OpenAI's Responses API over the chat path.
+"""POST /v1/responses: OpenAI's Responses API over the chat path (`input_image` parts are chat's image parts).
 
 A request becomes a chat request (`instructions` -> the system message, `input` -> messages, `text.format` ->
 response_format, `max_output_tokens` -> max_completion_tokens, `reasoning.effort` "none" -> thinking off) and
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from server import protocol as p
+from server.multimodal import IMAGE_PARTS, VIDEO_PARTS
 from server.serving import (APIError, Generation, ServingChat, SSEStream, _Prepared, internal_error, log_ignored_fields,
                             printable)
 from server.structured import ChatOutput
@@ -27,6 +29,22 @@ from server.structured import ChatOutput
 #: Roles an input message item may have, and the content part types whose `text` is taken.
 _ROLES = ("user", "assistant", "system", "developer")
 _TEXT_PARTS = ("input_text", "output_text", "text")
+#: Parts passed to chat as they are: images (`input_image`: image_url a data: or http(s) URL, `detail`), and videos
+#: (chat refuses them by name).
+_IMAGE_PARTS = IMAGE_PARTS + VIDEO_PARTS
+
+
+def _name_input(err: APIError, req: p.ResponsesRequest) -> None:
+    """Rename a chat error's `messages.N...` place (its param, and its message's mention) to where it is in the
+    Responses request, `input.M...` (M = N less the system message `instructions` became; `input` itself when it
+    is a string)."""
+    m = re.fullmatch(r"messages\.(\d+)(.*)", err.param or "")
+    offset = 1 if req.instructions else 0
+    if m is None or int(m.group(1)) < offset:
+        return
+    where = "input" if isinstance(req.input, str) else f"input.{int(m.group(1)) - offset}{m.group(2)}"
+    err.message = err.message.replace(str(err.param), where, 1)
+    err.param = where
 
 
 def _event(seq: list[int], type_: str, **fields: Any) -> str:
@@ -48,7 +66,11 @@ class ServingResponses:
         events when `req.stream`. Raises `APIError` as chat does."""
         log_ignored_fields(req)
         chat_req = self.to_chat(req)
-        prep, gen = await self.chat.submit(chat_req)
+        try:
+            prep, gen = await self.chat.submit(chat_req)
+        except APIError as e:
+            _name_input(e, req)
+            raise
         rid = p.random_id("resp")
         base = self._base(req, rid)
         if req.stream:
@@ -111,16 +133,21 @@ class ServingResponses:
             raise APIError(400, f"{where}.role must be one of {', '.join(_ROLES)}", param=f"{where}.role")
         content = item.get("content")
         if isinstance(content, list):
-            texts = []
+            parts: list[dict[str, Any]] = []
             for j, part in enumerate(content):
-                if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS or not isinstance(
-                        part.get("text"), str):
-                    raise APIError(400, f"{where}.content.{j}: only text parts are supported",
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind in _IMAGE_PARTS:  # chat's image parts take it as it is (URL, detail, file_id)
+                    parts.append(part)
+                elif kind in _TEXT_PARTS and isinstance(part.get("text"), str):
+                    parts.append({"type": "text", "text": part["text"]})
+                else:
+                    raise APIError(400, f"{where}.content.{j}: only text and image parts are supported",
                                    param=f"{where}.content.{j}")
-                texts.append(part["text"])
-            content = "\n".join(texts)
-        if not isinstance(content, str):
-            raise APIError(400, f"{where}.content must be a string or a list of text parts", param=f"{where}.content")
+            has_image = any(x["type"] != "text" for x in parts)
+            content = parts if has_image else "\n".join(x["text"] for x in parts)
+        if not isinstance(content, str | list):
+            raise APIError(400, f"{where}.content must be a string or a list of text and image parts",
+                           param=f"{where}.content")
         return {"role": role, "content": content}
 
     @staticmethod

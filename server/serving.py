@@ -23,6 +23,7 @@ from typing import Any
 
 from config.settings import DEFAULT_MAX_LOGPROBS, FULL_VOCAB_LOGPROB_ENTRIES
 from engine.gen_defaults import GenerationDefaults
+from engine.images import ImageConfig, ImageInput
 from engine.spec import SpecConstraint, SpecTelemetry, TokenLogprob
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from grammar import GrammarError, GrammarSource, ToolCallDelta, source_from_request
@@ -31,6 +32,7 @@ from metrics.prometheus import ServingMetrics
 from server import protocol as p
 from server.admission import Admission
 from server.errors import APIError
+from server.multimodal import ImageRef, ImageServing, message_content
 from server.structured import (ChatOutput, OutputDelta, StructuredOutputs, grammar_error, opens_reasoning,
                                tool_tags_are_special)
 from server.worker import Job, JobEvent, QueueFull, Unavailable, Worker
@@ -267,6 +269,13 @@ class _Prepared:
     in_reasoning: bool = False  # chat: the prompt leaves a <think> block open
     echo: str = ""  # text the output starts with (chat and completions `echo`)
     keep_special: bool = False  # decode special tokens whatever skip_special_tokens says (tool tags that are special)
+    image_refs: list[ImageRef] = field(default_factory=list)  # chat: the image parts, loaded after `_prepare`
+    image_config: ImageConfig | None = None  # chat: their preprocessing (the request's pixel bounds applied)
+    images: tuple[ImageInput, ...] = ()  # the prompt's images, in order; `prompt_ids` holds their expanded pads
+
+    @property
+    def image_tokens(self) -> int:
+        return sum(x.n_tokens for x in self.images)
 
 
 class Generation:
@@ -278,9 +287,10 @@ class Generation:
     counter's increase equals the sum of the requests' `usage.completion_tokens`."""
 
     def __init__(self, jobs: list[Job], choices: list[ChoiceState], events: asyncio.Queue[JobEvent],
-                 metrics: ServingMetrics, prompt_tokens: int, n: int = 1) -> None:
+                 metrics: ServingMetrics, prompt_tokens: int, n: int = 1, image_tokens: int = 0) -> None:
         self.jobs, self.choices, self.events = jobs, choices, events
         self.n = n  # choices per prompt (choice index = prompt index * n + i)
+        self.image_tokens = image_tokens  # of the prompt tokens, those that are images' embeddings
         self.cancelled = False
         self.metrics, self.prompt_tokens = metrics, prompt_tokens
         self.arrival = time.monotonic()
@@ -522,21 +532,23 @@ class OpenAIServing:
         return default if req.max_new_tokens is None else min(req.max_new_tokens, default)
 
     def budget(self, prompt_ids: list[int], requested: int | None, *, param: str, prompt_param: str,
-               min_tokens: int = 0) -> _Prepared:
+               min_tokens: int = 0, image_tokens: int = 0) -> _Prepared:
         """Check the prompt against the context; the completion budget is `requested` (the request field
-        `param`) or, when None, all the context that is left."""
+        `param`) or, when None, all the context that is left. `image_tokens`: how many of the prompt's tokens are
+        images' (said in the message)."""
         n = len(prompt_ids)
+        of_images = f" ({image_tokens} of them for images)" if image_tokens else ""
         if n == 0:
             raise APIError(400, "the prompt is empty", param=prompt_param)
         if requested is not None and requested <= 0:
             raise APIError(400, f"{param} must be at least 1, got {requested}", param=param)
         if n >= self.max_model_len:
             raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                                f"your prompt has {n} tokens, leaving no room for a completion.",
+                                f"your prompt has {n} tokens{of_images}, leaving no room for a completion.",
                            param=prompt_param, code="context_length_exceeded")
         if requested is not None and n + requested > self.max_model_len:
             raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                                f"requested {n + requested} tokens ({n} in the prompt, {requested} for the "
+                                f"requested {n + requested} tokens ({n} in the prompt{of_images}, {requested} for the "
                                 f"completion).", param=param, code="context_length_exceeded")
         budget = requested if requested is not None else self.max_model_len - n
         if min_tokens > budget:
@@ -563,7 +575,7 @@ class OpenAIServing:
                 index = len(jobs)
                 jobs.append(Job(index, prep.prompt_ids, prep.max_new_tokens, s, eos, logprobs, loop, events,
                                 constraint=constraint() if constraint is not None else None,
-                                prompt_logprobs=prompt_logprobs if i == 0 else None))
+                                prompt_logprobs=prompt_logprobs if i == 0 else None, images=prep.images))
                 choices.append(ChoiceState(index, self.tokenizer, prep.prompt_ids, stops,
                                            skip_special_tokens=req.skip_special_tokens and not prep.keep_special,
                                            include_stop=req.include_stop_str_in_output, stop_ids=frozenset(eos),
@@ -574,7 +586,8 @@ class OpenAIServing:
             raise APIError(429, str(e), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except Unavailable as e:
             raise APIError(503, str(e), code="unavailable") from None
-        return Generation(jobs, choices, events, self.worker.metrics, sum(len(x.prompt_ids) for x in preps), req.n)
+        return Generation(jobs, choices, events, self.worker.metrics, sum(len(x.prompt_ids) for x in preps), req.n,
+                          image_tokens=sum(x.image_tokens for x in preps))
 
     def usage(self, gen: Generation, prompt_tokens: int, final: bool = True) -> p.UsageInfo:
         """The request's usage (`final` False: the counts so far, without spec telemetry)."""
@@ -582,7 +595,8 @@ class OpenAIServing:
         spec = p.SpecUsage(**gen.telemetry().to_dict(self.k)) if self.k > 0 and final else None
         return p.UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion,
                            total_tokens=prompt_tokens + completion, spec=spec,
-                           prompt_tokens_details=p.PromptTokensDetails(cached_tokens=gen.cached_tokens))
+                           prompt_tokens_details=p.PromptTokensDetails(cached_tokens=gen.cached_tokens,
+                                                                       image_tokens=gen.image_tokens or None))
 
     def token_text(self, tok: int, as_id: bool = False) -> str:
         """A token's text (`token_id:N` when `as_id`, vLLM's return_tokens_as_token_ids)."""
@@ -622,11 +636,14 @@ _CHAT_UNSUPPORTED = {"functions": "deprecated: use tools", "function_call": "dep
 class ServingChat(OpenAIServing):
     """POST /v1/chat/completions: structured outputs and tool calls (`structured`), reasoning split."""
 
-    def __init__(self, *, special_tokens_in_content: bool = False, **kw: Any) -> None:
+    def __init__(self, *, special_tokens_in_content: bool = False, images: ImageServing | None = None,
+                 **kw: Any) -> None:
         """`special_tokens_in_content`: tokenize special-token text inside messages as control tokens (the
-        --allow-special-tokens-in-content setting, for trusted callers); by default it is plain text."""
+        --allow-special-tokens-in-content setting, for trusted callers); by default it is plain text. `images`: what
+        the server does with image parts (None: every image is refused)."""
         super().__init__(**kw)
         self.special_tokens_in_content = special_tokens_in_content
+        self.images = images
 
     async def create(self, req: p.ChatCompletionRequest) -> p.ChatCompletionResponse | SSEStream:
         """Validate, compile the request's grammar (off the event loop), submit, and return the full response,
@@ -639,8 +656,13 @@ class ServingChat(OpenAIServing):
         return await self._full(req, rid, gen, prep)
 
     async def submit(self, req: p.ChatCompletionRequest) -> tuple[_Prepared, Generation]:
-        """Prepare (in a thread), compile the grammar, submit the jobs."""
+        """Prepare (in a thread), load the images (on the media threads) and expand their pads (in a thread), compile
+        the grammar, submit the jobs."""
         prep = await asyncio.to_thread(self._prepare, req)
+        if prep.image_refs:
+            assert self.images is not None and prep.image_config is not None
+            decoded = await self.images.load(prep.image_refs)
+            await asyncio.to_thread(self._add_images, req, prep, decoded)
         constraint = await self.constraint(prep)
         n = self.logprob_count(req.prompt_logprobs)
         return prep, await self.start(req, [prep], constraint, prompt_logprobs=n)
@@ -658,13 +680,15 @@ class ServingChat(OpenAIServing):
                            param="continue_final_message")
         src = self.grammar_source(req, tools=req.tools, tool_choice=req.tool_choice,
                                   parallel_tool_calls=req.parallel_tool_calls)
-        ids = self.truncate(req, self.chat_prompt_ids(req.messages, tools=req.tools,
-                                                      add_generation_prompt=req.add_generation_prompt,
-                                                      continue_final_message=req.continue_final_message,
-                                                      kwargs=req.chat_template_kwargs,
-                                                      reasoning_effort=req.reasoning_effort))
-        prep = self.budget(ids, self.default_max_tokens(req), prompt_param="messages", min_tokens=req.min_tokens,
-                           param="max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
+        messages, refs = self.chat_messages(req.messages)
+        cfg = self._image_config(req, refs) if refs else None
+        ids = self.render_chat(messages, req.messages, tools=req.tools, add_generation_prompt=req.add_generation_prompt,
+                               continue_final_message=req.continue_final_message, kwargs=req.chat_template_kwargs,
+                               reasoning_effort=req.reasoning_effort)
+        if cfg is not None:
+            ImageServing.check_pads(ids, refs, cfg)
+        prep = self._budget(req, self.truncate(req, ids))  # with images: a first check, one pad per image
+        prep.image_refs, prep.image_config = refs, cfg
         prep.grammar = src
         prep.in_reasoning = opens_reasoning(self.tokenizer, prep.prompt_ids)
         prep.keep_special = self.parses_tools(req) and tool_tags_are_special(self.tokenizer)
@@ -673,22 +697,65 @@ class ServingChat(OpenAIServing):
             prep.echo = _content_text(last.content)
         return prep
 
+    def _budget(self, req: p.ChatCompletionRequest, ids: list[int], image_tokens: int = 0) -> _Prepared:
+        return self.budget(ids, self.default_max_tokens(req), prompt_param="messages", min_tokens=req.min_tokens,
+                           param="max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
+                           image_tokens=image_tokens)
+
+    def _image_config(self, req: p.ChatCompletionRequest, refs: list[ImageRef]) -> ImageConfig:
+        """The image config of a request with images (400 when the server takes none, over the limit, bad
+        mm_processor_kwargs, or with truncate_prompt_tokens, which could cut an image's pads apart)."""
+        if self.images is None:
+            raise APIError(400, f"{refs[0].param}: this server does not take images", param=refs[0].param)
+        cfg = self.images.check(refs, req.mm_processor_kwargs)
+        if req.truncate_prompt_tokens is not None:
+            raise APIError(400, "truncate_prompt_tokens cannot be combined with images", param="truncate_prompt_tokens")
+        return cfg
+
+    def _add_images(self, req: p.ChatCompletionRequest, prep: _Prepared, decoded: list[Any]) -> None:
+        """The loaded images resized (`ImageInput`s), their pads expanded in the prompt, the budget checked again
+        on the expanded prompt (runs in a worker thread)."""
+        assert self.images is not None and prep.image_config is not None
+        images = self.images.inputs(decoded, prep.image_config, prep.image_refs)
+        ids = self.images.expand(prep.prompt_ids, images, prep.image_config)
+        checked = self._budget(req, ids, image_tokens=sum(x.n_tokens for x in images))
+        prep.prompt_ids, prep.max_new_tokens, prep.images = checked.prompt_ids, checked.max_new_tokens, images
+
     def chat_prompt_ids(self, msgs: list[p.ChatMessage], *, tools: list[dict[str, Any]] | None = None,
                         add_generation_prompt: bool = True, continue_final_message: bool = False,
                         kwargs: dict[str, Any] | None = None, reasoning_effort: str | None = None) -> list[int]:
-        """The chat template's prompt ids (400 for content that cannot be served or a template error)."""
-        messages = []
+        """The chat template's prompt ids of text-only messages (400 for content that cannot be served, an image
+        part included, or a template error)."""
+        messages, refs = self.chat_messages(msgs)
+        if refs:
+            raise APIError(400, f"{refs[0].param}: /tokenize does not take image parts (their token counts depend on "
+                                "the images; usage.prompt_tokens of a chat completion counts them)",
+                           param=refs[0].param)
+        return self.render_chat(messages, msgs, tools=tools, add_generation_prompt=add_generation_prompt,
+                                continue_final_message=continue_final_message, kwargs=kwargs,
+                                reasoning_effort=reasoning_effort)
+
+    @staticmethod
+    def chat_messages(msgs: list[p.ChatMessage]) -> tuple[list[dict[str, Any]], list[ImageRef]]:
+        """The messages as the chat template takes them, and their image parts in order (each one
+        `{"type": "image"}` part in its message); 400 for content that cannot be served (`message_content`)."""
+        messages: list[dict[str, Any]] = []
+        refs: list[ImageRef] = []
         for i, m in enumerate(msgs):
-            content = m.content
+            content: Any = m.content
             if isinstance(content, list):
-                bad = [part.type for part in content if part.type != "text" or part.text is None]
-                if bad:
-                    raise APIError(400, f"only text content parts are supported, got {bad[0]!r}",
-                                   param=f"messages.{i}.content")
-                content = _content_text(content)
+                content = message_content(content, i, m.role, refs)
             role = "system" if m.role == "developer" else m.role  # OpenAI's newer name for system
             messages.append({"role": role, "content": content, "name": m.name, "tool_calls": m.tool_calls,
                              "tool_call_id": m.tool_call_id})
+        return messages, refs
+
+    def render_chat(self, messages: list[dict[str, Any]], msgs: list[p.ChatMessage], *,
+                    tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, kwargs: dict[str, Any] | None = None,
+                    reasoning_effort: str | None = None) -> list[int]:
+        """`chat_messages`' output through the chat template to token ids, one image pad per image part (400 for a
+        template error; `msgs`, the request's messages, name the param)."""
         thinking = (kwargs or {}).get("enable_thinking")
         if thinking is None and reasoning_effort == "none":
             thinking = False

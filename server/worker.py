@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import logging
 import os
 import sys
@@ -34,7 +35,8 @@ from typing import Any
 
 import torch
 
-from engine.scheduler import Scheduler
+from engine.images import ImageInput
+from engine.scheduler import ENCODER_CACHE_BYTES, Scheduler
 from engine.selfcheck import startup
 from engine.spec import SpecConstraint, SpecSampling, SpecSession, SpecTelemetry
 from metrics.prometheus import ServingMetrics
@@ -182,6 +184,7 @@ class Job:
     events: asyncio.Queue[JobEvent]
     constraint: SpecConstraint | None = None  # this choice's grammar (one per choice: it holds matcher state)
     prompt_logprobs: int | None = None  # compute the prompt tokens' logprobs (+ this many alternatives)
+    images: tuple[ImageInput, ...] = ()  # the prompt's images in order (`prompt_ids` holds their expanded pads)
     arrival: float = field(default_factory=time.monotonic)
     telem: SpecTelemetry = field(default_factory=SpecTelemetry)
     cancel_reason: str | None = None
@@ -297,18 +300,21 @@ class Drainable:
 class Worker(Drainable):
     """Owns the model; `submit` from the event loop, everything else happens on the worker thread.
 
-    `session_factory` builds a session with `SpecSession`'s signature (tests subclass it to inject failures).
+    `session_factory` builds a session with `SpecSession`'s signature (tests subclass it to inject failures); a
+    job with images passes them as `images=` (only then, so factories without the argument serve text).
     `kernels` ("auto" | "strict"): the startup self-check's mode (`engine.selfcheck.startup`); strict raises
     `KernelCheckFailed` from here. `on_device_lost(err, jobs)` runs on the worker thread once the device is lost
     and every job has its error event (`jobs`: those it failed); None: `exit_process(jobs)`, the serving
-    contract (the engine process passes its own, which tells the server first).
+    contract (the engine process passes its own, which tells the server first). `encoder_cache_bytes`: the
+    scheduler's image-embedding cache.
     """
 
     def __init__(self, model: Any, metrics: ServingMetrics, *, k: int, p_min: float, capmax: int,
                  max_num_seqs: int, max_queue: int, max_model_len: int, max_num_batched_tokens: int,
                  prefix_cache_bytes: int | None = 0, session_factory: SessionFactory = SpecSession,
                  outbox: Any = None, kernels: str = "auto",
-                 on_device_lost: Callable[[DeviceLost, list[Job]], Any] | None = None) -> None:
+                 on_device_lost: Callable[[DeviceLost, list[Job]], Any] | None = None,
+                 encoder_cache_bytes: int = ENCODER_CACHE_BYTES) -> None:
         self.model = model
         self.metrics = metrics
         self.k, self.p_min, self.capmax = k, p_min, capmax
@@ -316,11 +322,17 @@ class Worker(Drainable):
         self.max_queue = max_queue
         self.session_factory = session_factory
         self.scheduler = Scheduler(model, max_num_seqs=max_num_seqs, max_model_len=max_model_len, k=k,
-                                   max_num_batched_tokens=max_num_batched_tokens, prefix_cache_bytes=prefix_cache_bytes)
+                                   max_num_batched_tokens=max_num_batched_tokens, prefix_cache_bytes=prefix_cache_bytes,
+                                   encoder_cache_bytes=encoder_cache_bytes)
         log.info("%s", self.scheduler.describe())
         self._pc_seen = self.scheduler.prefix_stats()
         if self._pc_seen is not None:
             metrics.set_prefix_cache(self._pc_seen)  # the budget, before the first request
+        self._vs_seen = self._vision_stats()
+        if self._vs_seen is not None:
+            metrics.set_vision(self._vs_seen)  # the image counters exist at 0 before the first image
+        #: the model has a vision tower (the loader's `model.vision`; None: no tower, or --language-model-only)
+        self.vision = getattr(model, "vision", None) is not None
         # the kernels meet the device and the CUDA graphs are captured before the first request
         # (engine/selfcheck.py; --kernels strict: any failure is fatal)
         self.startup = startup(model, self.scheduler.runner, strict=kernels == "strict", progress=True)
@@ -505,11 +517,12 @@ class Worker(Drainable):
         released, and every other job goes on."""
         self.metrics.observe_queue_time(time.monotonic() - job.arrival)
         sess: SpecSession | None = None
+        images = {"images": job.images} if job.images else {}
         try:
             sess = self.session_factory(self.model, job.prompt_ids, job.max_new_tokens, k=self.k,
                                         sampling=job.sampling, constraint=job.constraint, eos_ids=list(job.eos_ids),
                                         p_min=self.p_min, capmax=self.capmax, logprobs=job.logprobs,
-                                        pool=self.scheduler.pool, prompt_logprobs=job.prompt_logprobs)
+                                        pool=self.scheduler.pool, prompt_logprobs=job.prompt_logprobs, **images)
             self.scheduler.add(sess)
         except Exception as e:  # noqa: BLE001 - a bad session fails its own request only
             log.exception("creating a session failed" if sess is None else "a session could not join the batch")
@@ -568,6 +581,10 @@ class Worker(Drainable):
         if pc is not None and pc != self._pc_seen:
             self._pc_seen = pc
             self.metrics.set_prefix_cache(pc)
+        vs = self._vision_stats()
+        if vs is not None and vs != self._vs_seen:
+            self._vs_seen = vs
+            self.metrics.set_vision(vs)
         errors = [s.error for s in res.finished if s.error is not None and s in self._active]
         if any(map(device_error, errors)):
             self._outbox.send(out)  # the tokens the step did emit, before any error event
@@ -587,6 +604,11 @@ class Worker(Drainable):
                 self._finish(a.job, sess.finish_reason or "stop", out=out)
         self._outbox.send(out)
         log.debug("step: %d session(s), %.1f ms", len(self._active), (t1 - t0) * 1e3)
+
+    def _vision_stats(self) -> Any:
+        """A copy of the scheduler's image counters now (None: the model has no vision tower)."""
+        vs = self.scheduler.vision_stats()
+        return None if vs is None else dataclasses.replace(vs)
 
     def _finish(self, job: Job, reason: str, error: BaseException | None = None,
                 out: list[tuple[Job, JobEvent]] | None = None) -> None:

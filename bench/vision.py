@@ -2,7 +2,8 @@
 transformers' forward, the vision encoder's share of it, and what arriving images cost 4 running text streams.
 Figures from one run (bench/RESULTS.md records them with this command).
 
-    python bench/vision.py [--sizes 512,1024] [--repeat 2] [--decode-tokens 48] [--decode-images 2] [--hf-threads N]
+    python bench/vision.py [--sizes 512,1024] [--repeat 2] [--decode-tokens 48] [--decode-images 2] [--cpu-threads N]
+                           [--hf-threads N]
 
 Checkpoint: bench/prefix.py's 0.8B-shaped random text checkpoint (the real 248,320-entry vocabulary and tokenizer,
 tied embeddings, MTP weights) rewritten in the vision-language layout (`Qwen3_5ForConditionalGeneration`: nested
@@ -16,7 +17,7 @@ ttft: for each size, a fresh generated picture per sample (different pixels each
 nor the prefix cache can serve it) as a PNG `data:` URL in a chat request (max_tokens 1, streamed, greedy): the time
 to the chunk carrying the token; then transformers on another fresh picture of the same size: its image processor
 (PIL backend) + `Qwen3_5ForConditionalGeneration` forward with `logits_to_keep=1`, at the server's torch thread
-count (`--hf-threads`). Interleaved nextn / transformers, best of `--repeat`. The encoder's share is the delta of
+count (`--hf-threads`; `--cpu-threads` sets the server's). Interleaved nextn / transformers, best of `--repeat`. The encoder's share is the delta of
 nextn_mm_encoder_seconds_total over that request's TTFT; transformers' vision tower is timed by hooks on
 `model.visual`.
 
@@ -269,12 +270,17 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--decode-tokens", type=int, default=48)
     ap.add_argument("--decode-images", type=int, default=2)
-    ap.add_argument("--hf-threads", type=int, default=TORCH_THREADS,
+    ap.add_argument("--cpu-threads", type=int, default=None,
+                    help="the server's --cpu-threads (torch threads; default: its own, 1 on 2 cores)")
+    ap.add_argument("--hf-threads", type=int, default=None,
                     help="transformers' torch threads (default: the server's torch thread count)")
     args = ap.parse_args()
+    extra = [] if args.cpu_threads is None else ["--cpu-threads", str(args.cpu_threads)]
+    if args.hf_threads is None:
+        args.hf_threads = TORCH_THREADS if args.cpu_threads is None else args.cpu_threads
     d = vl08b_checkpoint()
     t0 = time.perf_counter()
-    with ServerProcess(d, ready_timeout=900) as srv:
+    with ServerProcess(d, *extra, ready_timeout=900) as srv:
         ttft_rows = ttft(srv, d, [int(s) for s in args.sizes.split(",")], args.repeat, args.hf_threads)
         decode_rows = decode(srv, args.decode_tokens, args.decode_images) if args.decode_tokens > 0 else []
     print(f"\n### One-image TTFT, Qwen3.5-0.8B shape (random weights, vision depth 12 / hidden 768), fp32, "

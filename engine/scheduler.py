@@ -178,7 +178,8 @@ class Scheduler:
                 f"({sum(mib.values()):.1f} MiB on {p.device})" + (f"; {kernel}" if kernel else "") + f"; {cache}; "
                 f"prefill grid {PREFILL_GRID} tokens, {'rows packed' if self.packs else 'one row'} per forward"
                 + (f"; images: encoder cache {self.encoder.cache.capacity_bytes / 2**20:.0f} MiB, up to "
-                   f"{self.encoder_patch_blocks_per_step} patch-blocks encoded a step" if self.encoder is not None else ""))
+                   f"{self.encoder_patch_blocks_per_step} patch-blocks encoded a step"
+                   if self.encoder is not None else ""))
 
     @property
     def has_room(self) -> bool:

@@ -51,9 +51,10 @@ PREFIX_CACHE_MEMORY_FRACTION = 0.4
 PREFIX_CACHE_CPU_CAP = 8 << 30
 #: The encoder cache's default budget (image embeddings kept by content hash).
 ENCODER_CACHE_BYTES = 512 * 2**20
-#: Patches the vision tower encodes per step at most (the first image of a step always runs): 16384 patches are
-#: four 1024 x 1024 pictures, so running streams keep decoding while a burst of images is encoded.
-ENCODER_PATCHES_PER_STEP = 16384
+#: The vision tower's work per step at most, in patch-blocks (patches x vision blocks; the step's first block always
+#: runs): 4096 is one of the 12 blocks of a 1024 x 1024 picture, so an image is encoded across steps a few blocks
+#: at a time and running streams keep decoding meanwhile.
+ENCODER_PATCH_BLOCKS_PER_STEP = 4096
 
 
 class PoolTooLarge(RuntimeError):
@@ -106,15 +107,15 @@ class Scheduler:
     def __init__(self, model: Qwen35ForCausalLM, *, max_num_seqs: int, max_model_len: int, k: int,
                  max_num_batched_tokens: int, step_graphs: bool | None = None, prefix_cache_bytes: int | None = 0,
                  encoder_cache_bytes: int = ENCODER_CACHE_BYTES,
-                 encoder_patches_per_step: int = ENCODER_PATCHES_PER_STEP):
+                 encoder_patch_blocks_per_step: int = ENCODER_PATCH_BLOCKS_PER_STEP):
         """step_graphs: run the round through a `GraphRunner` (None: when the model is on the kernel path, i.e.
         CUDA with triton; on a CPU it executes the same static-buffer bodies without capturing, for tests).
         prefix_cache_bytes: the prefix cache's memory budget (0: no cache; None: PREFIX_CACHE_MEMORY_FRACTION of the
         memory left free after the state pool, at most PREFIX_CACHE_CPU_CAP on a CPU).
         encoder_cache_bytes: the encoder cache's budget (image embeddings by content hash; 0: none), when the model
-        has a vision tower. encoder_patches_per_step: the tower's work per step (patches; the first image of a step
-        always runs): joining sessions' images are encoded between rounds under it, and a session's prefill waits
-        until the images it needs are encoded."""
+        has a vision tower. encoder_patch_blocks_per_step: the tower's work per step (patches x vision blocks; the
+        step's first block always runs): joining sessions' images are encoded between rounds under it, an image
+        across several steps when it needs more, and a session's prefill waits until its images are encoded."""
         cfg = model.config
         self.model = model
         self.k = k if cfg.has_mtp else 0
@@ -145,7 +146,7 @@ class Scheduler:
         tower, icfg = model.vision, model.image_config
         self.encoder = ImageEncoder(tower, icfg, cfg.dtype, encoder_cache_bytes) if tower is not None \
             and icfg is not None else None
-        self.encoder_patches_per_step = encoder_patches_per_step
+        self.encoder_patch_blocks_per_step = encoder_patch_blocks_per_step
         self._patches_left = 0  # the step's encoder budget left
         self._encoded = False  # an image was encoded this step
         if prefix_cache_bytes is None:
@@ -177,7 +178,8 @@ class Scheduler:
                 f"({sum(mib.values()):.1f} MiB on {p.device})" + (f"; {kernel}" if kernel else "") + f"; {cache}; "
                 f"prefill grid {PREFILL_GRID} tokens, {'rows packed' if self.packs else 'one row'} per forward"
                 + (f"; images: encoder cache {self.encoder.cache.capacity_bytes / 2**20:.0f} MiB, up to "
-                   f"{self.encoder_patches_per_step} patches encoded a step" if self.encoder is not None else ""))
+                   f"{self.encoder_patch_blocks_per_step} patch-blocks encoded a step"
+                   if self.encoder is not None else ""))
 
     @property
     def has_room(self) -> bool:
@@ -351,8 +353,9 @@ class Scheduler:
     # -- images --------------------------------------------------------------------------------------------------
     def _images_ready(self, s: SpecSession) -> bool:
         """Whether `s` holds every image embedding its prefill still needs; encodes (or takes from the encoder
-        cache) those missing while the step's patch budget lasts (the step's first image whatever its size). An
-        image that fails to encode fails its session."""
+        cache) those missing while the step's patch-block budget lasts, a slice of vision blocks at a time (the
+        step's first block whatever its size; an image larger than the budget takes several steps). An image that
+        fails to encode fails its session."""
         missing = s.images_missing()
         if not missing:
             return True
@@ -364,16 +367,17 @@ class Scheduler:
             inp = s.images[k]
             emb = enc.cached(inp)
             if emb is None:
-                p = image_patches(inp)
-                if self._encoded and p > self._patches_left:
-                    return False
+                if self._encoded and image_patches(inp) > self._patches_left:
+                    return False  # not one more block of it fits this step
                 try:
-                    emb = enc.encode(inp)
+                    emb, spent = enc.advance(inp, self._patches_left)
                 except Exception as e:  # noqa: BLE001 - an image that cannot be encoded fails its own request
                     s.fail(e)
                     return False
-                self._patches_left -= p
+                self._patches_left -= spent
                 self._encoded = True
+                if emb is None:
+                    return False  # blocks left: it resumes next step
             s.set_image_embedding(k, emb)
         return True
 
@@ -458,7 +462,10 @@ class Scheduler:
     def step(self) -> StepResult:
         """One round for the running sessions, then prefill blocks under the token budget."""
         res = StepResult()
-        self._patches_left, self._encoded = self.encoder_patches_per_step, False
+        self._patches_left, self._encoded = self.encoder_patch_blocks_per_step, False
+        if self.encoder is not None and self.encoder.pending():  # partial encodes of sessions that left are dropped
+            self.encoder.keep_pending({s.images[k].hash for s in self.joining if not s.finished
+                                       for k in s.images_missing()})
         counts = {s: len(s.emitted) for s in self.running}
         budget = self.max_num_batched_tokens - sum(s.k_round() + 1 for s in self.running)
         if self.running:

@@ -331,14 +331,16 @@ def test_text_only_request_unchanged_beside_images(dense):
 def test_encoder_cache_and_budget(dense):
     model = dense
     ids, imgs = _two(model)
-    sched = _sched(model, encoder_patches_per_step=1)  # one image a step: the first of the step always runs
+    depth = model.vision.config.depth
+    sched = _sched(model, encoder_patch_blocks_per_step=1)  # one vision block a step: the step's first always runs
     a = Rows(model, ids, 4, k=3, images=imgs, pool=sched.pool)
     sched.add(a)
-    sched.step()
-    st = sched.vision_stats()
-    assert (st.images_encoded, st.encoder_cache_hits, a.prefill_tokens) == (1, 0, 0)  # waits for its 2nd image
-    sched.step()
-    assert sched.vision_stats().images_encoded == 2 and a.prefill_tokens > 0
+    for i in range(2 * depth):  # image after image, a block a step
+        assert a.prefill_tokens == 0
+        sched.step()
+        st = sched.vision_stats()
+        assert (st.images_encoded, st.encoder_cache_hits) == ((i + 1) // depth, 0)
+    assert a.prefill_tokens > 0
     _run(sched)
     b = Rows(model, ids, 4, k=3, images=imgs, pool=sched.pool)
     sched.add(b)

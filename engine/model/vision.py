@@ -234,6 +234,23 @@ class PatchMerger(nn.Module):
         return self.linear_fc2(F.gelu(self.linear_fc1(x)))
 
 
+@dataclass
+class VisionState:
+    """A resumable encode (`VisionTower.begin`): the hidden rows x [N, D] after `block` of the tower's blocks, the
+    rotary tables cos, sin [N, head_dim] and the per-frame sequence lengths of the images."""
+
+    x: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    seqlens: list[int]
+    block: int = 0
+
+    @property
+    def patches(self) -> int:
+        """Patch rows of the encode (the tower's work per block)."""
+        return int(self.x.shape[0])
+
+
 class VisionTower(nn.Module):
     """Qwen3.5's ViT and patch merger; `state_dict()` keys are the checkpoint's without the `model.visual.` prefix."""
 
@@ -271,6 +288,15 @@ class VisionTower(nn.Module):
 
     def forward(self, pixel_rows: torch.Tensor, grid_thw: torch.Tensor | Sequence[Sequence[int]]) -> torch.Tensor:
         """`encode` without inference_mode: pixel_rows [N, C*T*P*P], grid_thw [n_images, 3] -> [N / 4, out_hidden]."""
+        state = self.begin(pixel_rows, grid_thw)
+        self.run_blocks(state, self.config.depth)
+        return self.finish(state)
+
+    def begin(self, pixel_rows: torch.Tensor, grid_thw: torch.Tensor | Sequence[Sequence[int]]) -> "VisionState":
+        """The first slice of a resumable encode: patch embedding, position embedding and rotary tables of
+        pixel_rows [N, C*T*P*P] for grid_thw (as `encode`) -> a `VisionState` at block 0. `begin`, `run_blocks`
+        until `done`, then `finish` run exactly `forward`'s ops in its order, so the result is bitwise `encode`'s.
+        ValueError when rows and grid disagree. Call under inference_mode for inference."""
         cfg = self.config
         grids = _grids(grid_thw)
         n = sum(t * h * w for t, h, w in grids)
@@ -287,9 +313,23 @@ class VisionTower(nn.Module):
         x = self.patch_embed(pixel_rows.to(dev))  # [N, D]
         pos = (self.pos_embed(idx.to(dev)) * wts.to(dev)[:, :, None]).sum(1)  # [N, D] fp32
         x = x + pos.to(x.dtype)
-        for blk in self.blocks:
-            x = blk(x, cos, sin, seqlens)
-        return self.merger(x)  # [N / merge_unit, out_hidden]
+        return VisionState(x, cos, sin, seqlens)
+
+    def run_blocks(self, state: "VisionState", n: int) -> int:
+        """Run the next min(n, blocks left) vision blocks on `state` (in place); returns how many ran."""
+        k = max(0, min(int(n), self.config.depth - state.block))
+        x = state.x
+        for blk in self.blocks[state.block:state.block + k]:
+            x = blk(x, state.cos, state.sin, state.seqlens)
+        state.x, state.block = x, state.block + k
+        return k
+
+    def finish(self, state: "VisionState") -> torch.Tensor:
+        """The patch merger on a state whose blocks all ran -> [N / merge_unit, out_hidden] (`encode`'s rows).
+        ValueError when blocks are left."""
+        if state.block != self.config.depth:
+            raise ValueError(f"finish at block {state.block} of {self.config.depth}")
+        return self.merger(state.x)  # [N / merge_unit, out_hidden]
 
     @classmethod
     def from_checkpoint(cls, model_dir: str | Path, dtype: str | torch.dtype | None = None,

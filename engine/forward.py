@@ -47,7 +47,7 @@ def mtp_head_forward(model: Qwen35ForCausalLM, tokens: list[int], hidden: torch.
         c1 = c0 + x.shape[1]
         ctx = FwdCtx.make(model.config, hidden.device, dt, [scratch.slot], [pos + c0], [0], [0], x.shape[1], False,
                           rope=None if rope is None else (rope[0][None, c0:c1], rope[1][None, c0:c1]))
-        emb = None if embeds is None else embeds[None, c0:c1]  # [1, t, H]
-        hm = model.mtp_forward(x, hidden[None, c0:c1], ctx, scratch.kv, emb)[0]  # [t, H]
+        hm = (model.mtp_forward(x, hidden[None, c0:c1], ctx, scratch.kv) if embeds is None else
+              model.mtp_forward(x, hidden[None, c0:c1], ctx, scratch.kv, embeds[None, c0:c1]))[0]  # [t, H]
     last = hm[-1:]  # [1, H]
     return model.logits(last[0]), last

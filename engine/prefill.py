@@ -121,7 +121,7 @@ def prefill_rows(model: Qwen35ForCausalLM, rows: list[SessionState], blocks: lis
     kept: list[list[int]] = []
     for i, (r, n) in enumerate(zip(rows, blocks)):
         try:
-            chunks.append(r.next_chunks(n))
+            chunks.append([r.next_chunk()] if n == 1 else r.next_chunks(n))
             live.append(r)
             kept.append(list(keep[i][:len(chunks[-1]) - 1]) if keep is not None else [-1] * (len(chunks[-1]) - 1))
         except Exception as e:  # noqa: BLE001 - a prompt that does not fit fails its own request
@@ -170,6 +170,7 @@ def prefill_rows(model: Qwen35ForCausalLM, rows: list[SessionState], blocks: lis
                 done.remove(i)
         if after_block is not None:
             after_block(j, [live[i] for i in done])
+            ok = {i for i in ok if live[i].error is None}  # a row whose block write failed stops here
 
 
 def flush_mtp_rows(model: Qwen35ForCausalLM, rows: list[SessionState]) -> None:

@@ -105,14 +105,14 @@ def test_a_sessions_blocks_in_one_forward_equal_one_block_per_forward(cache, gri
             _same(got, want, f"prompt {i}'s prefix-cache blocks")
 
 
-def test_kept_boundary_states_are_each_blocks_own(grid, monkeypatch):
-    """The window slots that held the inner boundaries' states (prefix cache on) hold, after the forward, what one
-    block per forward leaves at each boundary: checked through the cached blocks above; here that a cache hit on the
-    packed scheduler's blocks prefills the rest to the same first token's logits as a miss."""
+def test_a_hit_on_blocks_cached_from_one_row_gives_the_misses_bits(grid, monkeypatch):
+    """A 4-block prompt prefills in one row, its 3 full blocks cached from the window slots that kept the inner
+    boundaries' states; the same prompt again resumes from them and its first token's logits are the miss's."""
     m = _model(False, "float32", seed=42)
     g = torch.Generator().manual_seed(8)
     p = torch.randint(0, V, (3 * G + 2,), generator=g).tolist()
-    ss, sched, _ = _run(m, [p], 3, True, True, monkeypatch)
+    ss, sched, f = _run(m, [p], 3, True, True, monkeypatch)
+    assert f == [[4]], f
     again = Rows(m, p, 4, k=3, pool=sched.pool)
     sched.add(again)
     sched.step()

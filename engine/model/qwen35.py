@@ -49,6 +49,7 @@ from .moe import MLP, SparseMoeBlock
 from .ops import dispatch as ops
 from .ops import cpu
 from .ops.gdn import causal_conv_window, gdn_chunked, gdn_recurrent_step, l2norm
+from .ops.gdn_prefill import NO_BOUND
 from .ops.fuse import fuse_linears
 from .ops.matmul_fp8 import FP8
 from .ops.norm import as_dtype, const, one_plus
@@ -328,7 +329,6 @@ class FwdCtx:
         if self.seg is None:
             return None
         if self._bounds is None:
-            from .ops.gdn_prefill import NO_BOUND
             B = max(len(b) for b in self.seg)  # inner boundaries + at least one pad a row
             bounds, keep = [], []
             for blocks, kept in zip(self.seg, self.keep or []):
@@ -553,6 +553,8 @@ class GatedDeltaNet(nn.Module):
         dt = x.dtype
         sdt = torch.float64 if dt == torch.float64 else torch.float32
         grid = ctx is not None and st is not None and ctx.prefill_kernels("gdn_prefill", x)
+        if ctx is not None and ctx.seg is not None and not grid:
+            raise ValueError("several grid blocks in one row need the prefill kernels (FwdCtx.seg)")
         if self._w_in is not None:
             proj = linear(x, self._w_in, ctx)  # [N, T, C + nv*dv + 2 nv]
             if not grid and ctx is not None and st is not None and ctx.cpu_kernels \

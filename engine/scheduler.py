@@ -16,8 +16,9 @@ holds a pool slot and leaves between steps; its slot is returned the moment it f
 The prefix cache (`engine.cache.PrefixCache`, on when `prefix_cache_bytes` > 0): a joining session resumes from the
 longest cached run of its prompt's grid blocks (copied into its slot; sessions that want prompt logprobs prefill
 everything), and every session writes each grid block it completes: once the MTP head has the rows of the block
-whose forward reached the boundary (its state live, or kept in a spare window slot for a block inside a row), or, where decode steps reach the states a prefill does (`engine.prefill.steps_match_prefill`), after the
-round whose commit crossed it (the GDN state is captured at once from its recorded window slot, the rest once the
+whose forward reached the boundary (its state live, or kept in a spare window slot for a block inside a row), or,
+where decode steps reach the states a prefill does (`engine.prefill.steps_match_prefill`), after the round whose
+commit crossed it (the GDN state is captured at once from its recorded window slot, the rest once the
 MTP head has written the block's rows). A hit gives the same bits as a miss: the blocks are those a prefill of the
 same tokens computes.
 

@@ -489,6 +489,7 @@ class PrefixCache:
                 self.release(bid)
             self._touch(key if key in self._index else None)
             return False
+        captured = bid is not None
         if bid is None:
             assert window_slot is not None and pre_last is not None
             if parent is not None:
@@ -499,19 +500,24 @@ class PrefixCache:
             if len(self._chain(tokens, keys, b)) < b:  # the room was made by evicting the parent
                 self._free.append(bid)
                 return False
-            self.capture_state(bid, slot, window_slot, pre_last)
         else:
             self._reserved.discard(bid)
-        parts, i = self._parts(bid), 0
-        for c in pool.layers:
-            if isinstance(c, KVPool):
-                parts[i].copy_(c.k[slot, b * G:(b + 1) * G])
-                parts[i + 1].copy_(c.v[slot, b * G:(b + 1) * G])
-            i += 2
-        if mtp_slot is not None:
-            j = 1 if b == 0 else 0
-            parts[i][j:] = pool.mtp.k[mtp_slot, b * G - 1 + j:(b + 1) * G - 1]
-            parts[i + 1][j:] = pool.mtp.v[mtp_slot, b * G - 1 + j:(b + 1) * G - 1]
+        try:  # a copy that raises gives the block back: it is neither indexed nor lost
+            if not captured:
+                self.capture_state(bid, slot, window_slot, pre_last)
+            parts, i = self._parts(bid), 0
+            for c in pool.layers:
+                if isinstance(c, KVPool):
+                    parts[i].copy_(c.k[slot, b * G:(b + 1) * G])  # [G, nkv, hd]
+                    parts[i + 1].copy_(c.v[slot, b * G:(b + 1) * G])  # [G, nkv, hd]
+                i += 2
+            if mtp_slot is not None:
+                j = 1 if b == 0 else 0
+                parts[i][j:] = pool.mtp.k[mtp_slot, b * G - 1 + j:(b + 1) * G - 1]  # [G - j, nkv, hd]
+                parts[i + 1][j:] = pool.mtp.v[mtp_slot, b * G - 1 + j:(b + 1) * G - 1]  # [G - j, nkv, hd]
+        except BaseException:
+            self._free.append(bid)
+            raise
         self._index[key] = _Entry(bid, parent, self._index[parent].bid if parent is not None else None,
                                   tuple(tokens[b * G:(b + 1) * G]))
         if parent is not None:

@@ -15,8 +15,9 @@ split never depends on the token budget, the batch or K. What a block computes m
     rows), the norms, gates and activations row-wise kernels, the MoE experts the grouped matmul and the slot-order
     combine, attention the prefill kernel over each row's own keys (per-row slot and pos0), the GDN recurrence the
     chunked kernel from each row's first token (per-row slot, read and write window slots, and real length: the
-    padding leaves the state alone), the conv an explicit per-token tap sum. So the next blocks of several sessions
-    share one forward (right-padded) as on the C path, while every prefill kernel runs (`packs_rows`: a kernel that
+    padding leaves the state alone; its chunks restart at each grid block inside a row), the conv an explicit
+    per-token tap sum. So the next blocks of several sessions share one forward (right-padded) as on the C path, and
+    several blocks of one session share one row (`prefill_rows` blocks), while every prefill kernel runs (`packs_rows`: a kernel that
     fell back to its torch twin ends the packing); decode steps there run other kernels (the recurrent GDN update,
     the "step" tiling), so they do not reach a prefill's bits (`steps_match_prefill` is False);
   * elsewhere (the torch path: a GEMM whose rounding follows the row count, SDPA over padded rows) each forward
@@ -24,6 +25,8 @@ split never depends on the token budget, the batch or K. What a block computes m
     else runs.
 """
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -95,53 +98,79 @@ def steps_match_prefill(model: Qwen35ForCausalLM) -> bool:
 
 
 @torch.inference_mode()
-def prefill_rows(model: Qwen35ForCausalLM, rows: list[SessionState]) -> None:
-    """Prefill the next grid block (`SessionState.next_chunk`) of every row's queued prompt in ONE trunk forward,
-    then each row's host side as `SessionState.prefill_chunk` does. Rows are right-padded to the longest block: the
-    padding's K/V land past the row's length (overwritten later) and its GDN tokens leave the state unchanged
-    (`FwdCtx` lens), so each row ends in the state of its own tokens. The caller checks that every row's
-    cache.length + longest block fits the pool's capacity, and that the forward's rows are independent
-    (`packs_rows`, or one row). A row whose block does not fit its cache or whose host side fails is failed
-    alone; a failing forward raises (every row is then in doubt)."""
-    chunks: list[list[int]] = []
+def prefill_rows(model: Qwen35ForCausalLM, rows: list[SessionState], blocks: list[int] | None = None,
+                 keep: list[list[int]] | None = None,
+                 after_block: Callable[[int, list[SessionState]], None] | None = None) -> None:
+    """Prefill the next grid blocks (`SessionState.next_chunks`: blocks[i] of row i, default 1 each) of every row's
+    queued prompt in ONE trunk forward, each row's blocks one after the other in one row, then each row's host side
+    block by block as `SessionState.prefill_chunk` does: for block j, every row that has one runs `prefilled`, the
+    MTP head writes their ready rows in one head forward (so the head's forwards are those of one block per
+    forward), the rows that ended their prompt choose their first token, and `after_block(j, rows)` sees the rows
+    that completed block j (the prefix cache writes it there). Several blocks in a row need the kernel path (the
+    GDN chunks restart at each block: `FwdCtx.seg`); keep[i]: the window slot for the GDN and conv state at each of
+    row i's inner block boundaries (-1: not kept; never the live slot), so the caller can cache every block.
+
+    Rows are right-padded to the longest: the padding's K/V land past the row's length (overwritten later) and its
+    GDN tokens leave the state unchanged (`FwdCtx` lens), so each row ends in the state of its own tokens. The caller
+    checks that every row's cache.length + longest row fits the pool's capacity, and that the forward's rows are
+    independent (`packs_rows`, or one row). A row whose blocks do not fit its cache or whose host side fails is
+    failed alone; a failing forward raises (every row is then in doubt)."""
+    blocks = blocks or [1] * len(rows)
+    chunks: list[list[list[int]]] = []
     live: list[SessionState] = []
-    for r in rows:
+    kept: list[list[int]] = []
+    for i, (r, n) in enumerate(zip(rows, blocks)):
         try:
-            chunks.append(r.next_chunk())
+            chunks.append([r.next_chunk()] if n == 1 else r.next_chunks(n))
             live.append(r)
+            kept.append(list(keep[i][:len(chunks[-1]) - 1]) if keep is not None else [-1] * (len(chunks[-1]) - 1))
         except Exception as e:  # noqa: BLE001 - a prompt that does not fit fails its own request
             r.fail(e)
     if not live:
         return
-    T = max(len(c) for c in chunks)
+    flat = [sum(cs, []) for cs in chunks]
+    seg = [[len(c) for c in cs] for cs in chunks]
+    T = max(len(f) for f in flat)
     r0 = live[0]
-    x = torch.tensor([c + [0] * (T - len(c)) for c in chunks], device=r0.device)  # [N, T]
+    x = torch.tensor([f + [0] * (T - len(f)) for f in flat], device=r0.device)  # [N, T]
     cur = [r.cache.cur for r in live]
     pos0 = [r.cache.length for r in live]
-    emb, rope = _image_inputs(model, live, x, pos0, [r.input_embeds(p, c) for r, p, c in zip(live, pos0, chunks)])
+    emb, rope = _image_inputs(model, live, x, pos0, [r.input_embeds(p, f) for r, p, f in zip(live, pos0, flat)])
     ctx = FwdCtx.make(model.config, r0.device, r0.dtype, [r.slot for r in live], pos0,
-                      cur, cur, T, False, lens=[len(c) for c in chunks], rope=rope)
+                      cur, cur, T, False, lens=[len(f) for f in flat], rope=rope, seg=seg, keep=kept)
     # (image rows: the embeddings given; a text-only forward is the plain call)
     pre = model.forward_step(x, ctx, r0.pool) if emb is None else \
         model.forward_step(x, ctx, r0.pool, emb)  # [N, T, H]
-    ok = []
-    for i, r in enumerate(live):
+    ok = set(range(len(live)))
+    for j in range(max(len(cs) for cs in chunks)):
+        done = []
+        for i, r in enumerate(live):
+            if i not in ok or j >= len(chunks[i]):
+                continue
+            a = sum(seg[i][:j])
+            try:
+                r.prefilled(chunks[i][j], pre[i, a:a + seg[i][j]], ctx, flush_mtp=False)  # [t, H]
+                done.append(i)
+            except Exception as e:  # noqa: BLE001 - one row's host side (its logprobs, ...) fails that row
+                r.fail(e)
+                ok.discard(i)
         try:
-            r.prefilled(chunks[i], pre[i, :len(chunks[i])], ctx, flush_mtp=False)
-            ok.append(r)
-        except Exception as e:  # noqa: BLE001 - one row's host side (its logprobs, ...) fails that row
-            r.fail(e)
-    try:
-        flush_mtp_rows(model, ok)
-    except Exception as e:  # noqa: BLE001 - the batched head forward failed: its rows are in doubt
-        for r in ok:
-            r.fail(e)
-        ok = []
-    for r in ok:
-        try:
-            r.choose_first()
-        except Exception as e:  # noqa: BLE001 - one row's choice (its grammar) fails that row
-            r.fail(e)
+            flush_mtp_rows(model, [live[i] for i in done])
+        except Exception as e:  # noqa: BLE001 - the batched head forward failed: its rows are in doubt
+            for i in done:
+                live[i].fail(e)
+                ok.discard(i)
+            done = []
+        for i in list(done):
+            try:
+                live[i].choose_first()
+            except Exception as e:  # noqa: BLE001 - one row's choice (its grammar) fails that row
+                live[i].fail(e)
+                ok.discard(i)
+                done.remove(i)
+        if after_block is not None:
+            after_block(j, [live[i] for i in done])
+            ok = {i for i in ok if live[i].error is None}  # a row whose block write failed stops here
 
 
 def flush_mtp_rows(model: Qwen35ForCausalLM, rows: list[SessionState]) -> None:

@@ -6,16 +6,19 @@ the prefix cache.
 sessions, up to `max_num_batched_tokens` tokens per step in all (the round's N x (k+1) tokens count first), so a
 long prompt never freezes the running streams for longer than one block. A prompt's blocks are those of the fixed
 grid (`engine.cache.PREFILL_GRID`, `engine.prefill`): the budget decides how many blocks a session gets in a step,
-never where a block splits (a step with a joining prompt runs at least one block). The blocks of a step run in waves
-(the first block of every session granted one, then the second, ...), each wave one forward when the model's
-prefill is row-wise (`engine.prefill.packs_rows`), else one forward per session. A session joins (`add`) once it
+never where a block splits (a step with a joining prompt runs at least one block). On the kernel path a session's
+granted blocks run as one row of one forward (`_prefill_blocks`; at most K+1 while the prefix cache writes), rows of
+several sessions packed together; elsewhere the blocks of a step run in waves (the first block of every session
+granted one, then the second, ...), each wave one forward when the model's prefill is row-wise
+(`engine.prefill.packs_rows`), else one forward per session. A session joins (`add`) once it
 holds a pool slot and leaves between steps; its slot is returned the moment it finishes, fails or is removed.
 
 The prefix cache (`engine.cache.PrefixCache`, on when `prefix_cache_bytes` > 0): a joining session resumes from the
 longest cached run of its prompt's grid blocks (copied into its slot; sessions that want prompt logprobs prefill
-everything), and every session writes each grid block it completes: after the wave whose forward ended on the
-boundary, or, where decode steps reach the states a prefill does (`engine.prefill.steps_match_prefill`), after the
-round whose commit crossed it (the GDN state is captured at once from its recorded window slot, the rest once the
+everything), and every session writes each grid block it completes: once the MTP head has the rows of the block
+whose forward reached the boundary (its state live, or kept in a spare window slot for a block inside a row), or,
+where decode steps reach the states a prefill does (`engine.prefill.steps_match_prefill`), after the round whose
+commit crossed it (the GDN state is captured at once from its recorded window slot, the rest once the
 MTP head has written the block's rows). A hit gives the same bits as a miss: the blocks are those a prefill of the
 same tokens computes.
 
@@ -269,10 +272,12 @@ class Scheduler:
             w.keys = block_keys(sess.committed, n, self.cache.root, w.keys, images=sess.image_keys)
         return w.keys
 
-    def _write_prefilled(self, rows: list[SpecSession]) -> None:
-        """After a prefill wave: cache the block each row's forward just completed (its live state is the state at
-        the boundary). A row whose write raises fails alone (`_row_failed`)."""
+    def _write_prefilled(self, rows: list[SpecSession], at: dict[SpecSession, int] | None = None) -> None:
+        """After a prefill block: cache the block each row just completed (its GDN and conv state at the boundary are
+        in window slot at[row], default the live one: a block that ended its forward). A row whose write raises
+        fails alone (`_row_failed`)."""
         pc = self.cache
+        at = at or {}
         for s in rows:
             w = self._writer(s)
             L = s.cache.length
@@ -282,7 +287,7 @@ class Scheduler:
             try:
                 keys = self._keys(s, w, b + 1)
                 pc.insert(keys, s.committed, b, s.slot, s.slot if s.scratch is not None else None,
-                          window_slot=s.cache.cur, pre_last=s.last_pre)
+                          window_slot=at.get(s, s.cache.cur), pre_last=s.last_pre)
             except Exception as e:  # noqa: BLE001 - one session's block write fails that session only
                 self._row_failed(s, e, "writing a prefilled block")
                 continue
@@ -447,6 +452,79 @@ class Scheduler:
             out.append([s])
         return out
 
+    def _multiblock(self) -> bool:
+        """Whether a session's granted blocks share one forward as one row: on the kernel path while every prefill
+        kernel runs (the GDN kernel restarts its chunks at each block: bits as one block per forward); the C and
+        torch paths prefill one block per forward, in waves."""
+        return self.packs and self._prefill_kernels is not None and packs_rows(self.model, self._prefill_kernels)
+
+    def _blocks_per_row(self, s: SpecSession, n: int) -> int:
+        """How many of its n granted blocks session s prefills in its next forward (kernel path): all of them, at
+        most K+1 while the prefix cache writes its blocks (each inner boundary's state waits in one of the other K
+        window slots until the block is cached), one for a session with images (its embeddings and M-RoPE rows go
+        block by block), and no more than fit max_num_batched_tokens (at least one)."""
+        if s.images:
+            return 1
+        if self._writer(s) is not None:
+            n = min(n, self.pool.window)
+        while n > 1 and s.chunks_len(n) > self.max_num_batched_tokens:
+            n -= 1
+        return max(1, n)
+
+    def _prefill_blocks(self, grants: list[tuple[SpecSession, int]]) -> None:
+        """Prefill the granted blocks. Kernel path (`_multiblock`): each session's blocks in as few forwards as
+        `_blocks_per_row` allows, one row each, several sessions' rows packed into one forward while its padded
+        tokens stay within max_num_batched_tokens and every row's slot has room; the prefix cache writes each
+        block as soon as its MTP rows are written (`prefill_rows` after_block), from the window slot its boundary
+        state was kept in. Elsewhere: one block per session per wave (`_prefill`)."""
+        if not self._multiblock():
+            for wave in range(max((n for _, n in grants), default=0)):
+                rows = [s for s, n in grants if n > wave and s.prefilling and not s.finished]
+                if rows:
+                    self._prefill(rows)
+            return
+        left = {s: n for s, n in grants if n > 0}
+        while True:
+            rows = [s for s in left if left[s] > 0 and s.prefilling and not s.finished]
+            if not rows:
+                return
+            take = {s: self._blocks_per_row(s, left[s]) for s in rows}
+            groups: list[list[SpecSession]] = []
+            for s in rows:
+                if groups:
+                    g = groups[-1]
+                    T = max(x.chunks_len(take[x]) for x in (*g, s))
+                    if (len(g) + 1) * T <= self.max_num_batched_tokens and \
+                            all(x.cache.length + T <= self.pool.capacity for x in (*g, s)):
+                        g.append(s)
+                        continue
+                groups.append([s])
+            for g in groups:
+                self._prefill_row_blocks(g, [take[s] for s in g])
+            for s in rows:
+                left[s] -= take[s]
+
+    def _prefill_row_blocks(self, group: list[SpecSession], blocks: list[int]) -> None:
+        """One forward of `group`, blocks[i] grid blocks of session i in its row (kernel path); the prefix cache
+        writes each completed block (`_write_prefilled`), an inner boundary's from the window slot it was kept in."""
+        keep: list[list[int]] = []
+        for s, n in zip(group, blocks):
+            free = [w for w in range(self.pool.window) if w != s.cache.cur] if self._writer(s) is not None else []
+            keep.append((free + [-1] * n)[:n - 1])
+        kept = {s: k for s, k in zip(group, keep)}
+        last = {s: n - 1 for s, n in zip(group, blocks)}
+
+        def written(j: int, rows: list[SpecSession]) -> None:
+            if self.cache is not None:
+                self._write_prefilled(rows, {s: kept[s][j] for s in rows
+                                             if j < last[s] and j < len(kept[s]) and kept[s][j] >= 0})
+
+        try:
+            prefill_rows(self.model, group, blocks, keep, written)
+        except Exception as e:  # noqa: BLE001 - the batched part failed: every row of it is in doubt
+            for s in group:
+                s.fail(e)
+
     def _prefill(self, rows: list[SpecSession]) -> None:
         """One block of each row's prompt (one wave), in the forwards `_forwards` chooses. A prompt that fails fails
         its own request; a failing batched forward fails the sessions of that forward."""
@@ -478,11 +556,7 @@ class Scheduler:
             if self._decode_blocks:
                 self._capture_decoded(self.running, before)
                 self._finish_pending(self.running)
-        grants = self._grants(budget)
-        for wave in range(max((n for _, n in grants), default=0)):
-            rows = [s for s, n in grants if n > wave and s.prefilling and not s.finished]
-            if rows:
-                self._prefill(rows)
+        self._prefill_blocks(self._grants(budget))
         for s in list(self.joining):  # prefilled, or failed (a prefill, or a prefix-cache path while joining)
             if not s.prefilling or s.finished:
                 self.joining.remove(s)

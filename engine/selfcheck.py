@@ -316,18 +316,23 @@ def _gdn_prefill(c: Qwen35Config, r: _Rand) -> Outputs:
     q, k, v = r.randn(2, T, nk, dk), r.randn(2, T, nk, dk), r.randn(2, T, nv, dv)
     g, beta = -r.rand(2, T, nv), r.rand(2, T, nv)
     slot, cur, dst, lens = r.idx(2, 0), r.idx(1, 0), r.idx(0, 1), r.idx(T, 9)  # a chunk and a tail; a short row
-    rec = r.randn(3, 2, nv, dk, dv, scale=0.3, dtype=torch.float32)
+    rec = r.randn(3, 3, nv, dk, dv, scale=0.3, dtype=torch.float32)
     rec[slot, dst] = float("nan")
+    rec[2, 2] = float("nan")  # row 0's state at its block boundary (token 40) is kept here
+    nb = _gdnp.NO_BOUND
+    bounds = torch.tensor([[40, nb], [nb, nb]], dtype=torch.int32, device=r.device)  # [2, 2]
+    keep = torch.tensor([[2, -1], [-1, -1]], dtype=torch.int32, device=r.device)  # [2, 2]
     rec_t = rec.clone()
     o = _gdnp.chunked_gdn(q, k, v, g, beta, rec, slot, cur, dst, lens, qk_l2norm=True, out_dtype=r.dtype,
-                          out=r.nans(2, T, nv, dv))
-    o_t = _gdnp.chunked_gdn_ref(q, k, v, g, beta, rec_t, slot, cur, dst, lens, qk_l2norm=True)
+                          out=r.nans(2, T, nv, dv), bounds=bounds, keep=keep)
+    o_t = _gdnp.chunked_gdn_ref(q, k, v, g, beta, rec_t, slot, cur, dst, lens, qk_l2norm=True, bounds=bounds,
+                                keep=keep)
     # each token's update adds a dk-long dot into the state; the dots' operand rounding follows the launch table's
     # precision (IEEE fp32 for every dtype, launch.py; TF32 would be U_TF32)
     ieee = _launch.get("gdn_prefill", r.dtype, r.device, dk=dk, dv=dv)["IEEE"]
     acc = Acc(dk * T, 0.0 if ieee else ops.U_TF32)
     return [("output", o[0], o_t[0], acc), ("short row", o[1, :9], o_t[1, :9], acc),
-            ("states", rec[slot, dst], rec_t[slot, dst], acc)]
+            ("states", rec[slot, dst], rec_t[slot, dst], acc), ("kept state", rec[2, 2], rec_t[2, 2], acc)]
 
 
 def _conv_update(c: Qwen35Config, r: _Rand) -> Outputs:

@@ -391,6 +391,26 @@ class SessionState:
         self.cache.check_room(len(ids))
         return ids
 
+    def next_chunks(self, n: int) -> list[list[int]]:
+        """The next n grid blocks of the queued prompt (fewer where it ends first), each as `next_chunk` cuts it, to
+        prefill in one forward as one row (the kernel path). Raises if they do not fit in the cache."""
+        out: list[list[int]] = []
+        pos, at = self.cache.length, self._prefilled
+        while len(out) < n and at < len(self._to_prefill):
+            ids = self._to_prefill[at:at + PREFILL_GRID - pos % PREFILL_GRID]
+            out.append(ids)
+            pos, at = pos + len(ids), at + len(ids)
+        self.cache.check_room(pos - self.cache.length)
+        return out
+
+    def chunks_len(self, n: int) -> int:
+        """Tokens `next_chunks(n)` would take (0 when nothing is queued)."""
+        pos, left = self.cache.length, self.prefill_left
+        for _ in range(n):
+            c = min(left, PREFILL_GRID - pos % PREFILL_GRID)
+            pos, left = pos + c, left - c
+        return pos - self.cache.length
+
     @property
     def next_chunk_len(self) -> int:
         """Tokens `next_chunk` would take (0 when nothing is queued)."""

@@ -93,6 +93,45 @@ def test_chunked_gdn_is_the_same_split_at_multiples_of_64_and_batched():
     assert_bitwise(alone[1, 1], whole[1, 1], "row 2's state alone vs batched")
 
 
+
+def test_chunked_gdn_with_block_bounds_is_each_block_alone_and_matches_twin():
+    """Rows carrying several blocks (bounds at offsets off the 64 grid: 40 and 110 in a 150-token row, 3 in a 5-token
+    row, none in the third): bitwise each block in a call of its own (its chunks restart at the block's start), the
+    states at the boundaries kept in the window slots named (NaN-poisoned before), and the twin agrees."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v, gl, beta = _gdn_inputs(torch.bfloat16, 150, g)
+    lens = [150, 5, 64]
+    B = gp.NO_BOUND
+    bounds = torch.tensor([[40, 110, B], [3, B, B], [B, B, B]], dtype=torch.int32, device=DEVICE)
+    keep = torch.tensor([[2, 3, -1], [-1, -1, -1], [-1, -1, -1]], dtype=torch.int32, device=DEVICE)
+    rec = rand(3, 4, NV, DK, DV, gen=g, scale=0.3)
+    rec[0, 2:] = float("nan")
+    slot, cur, dst, ln = _ix([0, 1, 2], [0, 1, 0], [1, 1, 0], lens)
+    packed, twin = rec.clone(), rec.clone()
+    o = gp.chunked_gdn(q, k, v, gl, beta, packed, slot, cur, dst, ln, qk_l2norm=True, out=nans(3, 150, NV, DV),
+                       bounds=bounds, keep=keep)
+    o_t = gp.chunked_gdn_ref(q, k, v, gl, beta, twin, slot, cur, dst, ln, qk_l2norm=True, bounds=bounds, keep=keep)
+    for i, n in enumerate(lens):
+        assert o[i, n:].isnan().all(), f"row {i}: a padding column was written"
+        assert_close(o[i, :n], o_t[i, :n])
+    assert_close(packed, twin)
+    assert not packed[0, 2:].isnan().any(), "a kept boundary state was not written"
+    # each block alone, one call per block, the state carried through the pool's window slots
+    for i, cuts in enumerate([[0, 40, 110, 150], [0, 3, 5], [0, 64]]):
+        alone = rec.clone()
+        s1 = _ix([i])[0]
+        read = cur[i:i + 1]
+        for a, e in zip(cuts, cuts[1:]):
+            w = _ix([1 if e == cuts[-1] and i == 0 else dst[i].item()])[0]
+            oa = gp.chunked_gdn(q[i:i + 1, a:e], k[i:i + 1, a:e], v[i:i + 1, a:e], gl[i:i + 1, a:e],
+                                beta[i:i + 1, a:e], alone, s1, read, w, qk_l2norm=True)
+            assert_bitwise(oa[0], o[i, a:e], f"row {i}: block {a}..{e} alone vs packed")
+            if e < cuts[-1] and keep[i, cuts.index(e) - 1] >= 0:
+                assert_bitwise(alone[i, w.item()], packed[i, keep[i, cuts.index(e) - 1].item()],
+                               f"row {i}: the state kept at {e}")
+            read = w
+        assert_bitwise(alone[i, dst[i].item()], packed[i, dst[i].item()], f"row {i}: final state")
+
 NH, NKV, HD, L = 6, 2, 16, 160  # a group of 3 query heads per KV head
 
 

@@ -5,7 +5,7 @@ kernels off so that every op is the kernel path's): the matmul's "prefill" tilin
     head's prompt rows; dense and MoE) runs the "prefill" tiling, every GEMM of a step forward (verify, drafts) the
     "step" one: the tiling follows the forward's kind (`FwdCtx.phase`), never its rows;
   * the scheduler packs the next blocks of several sessions into one forward on the kernel path (`packs_rows`; a
-    session's later blocks in the step's later waves), and what each session's prefill leaves (its first token's
+    session's blocks in one row), and what each session's prefill leaves (its first token's
     logits, K/V rows, GDN states, MTP head rows and queued row) is bitwise what one block per forward leaves; decode
     steps there are not taken to reach a prefill's states (`steps_match_prefill` False), and a prefill kernel that
     fell back to its twin ends the packing. Greedy spec == plain with packed prefill: tests/test_prefill_wired.py.
@@ -90,9 +90,9 @@ def _prefill(m, prompts: list[list[int]], k: int, packed: bool, monkeypatch) -> 
     sched.packs = packed
     sizes: list[int] = []
 
-    def spy(model, rows):
+    def spy(model, rows, *a, **kw):
         sizes.append(len(rows))
-        return prefill_rows(model, rows)
+        return prefill_rows(model, rows, *a, **kw)
 
     monkeypatch.setattr(sched_mod, "prefill_rows", spy)
     ss = [Rows(m, p, 4, k=k, pool=sched.pool) for p in prompts]
@@ -128,7 +128,9 @@ def test_packed_prefill_equals_one_block_per_forward(kernel_path, monkeypatch):
     one, sizes1 = _prefill(m, prompts, 3, False, monkeypatch)
     one = [(s.emitted, s.rows, _state(s)) for s in one]
     packed, sizes = _prefill(m, prompts, 3, True, monkeypatch)
-    assert sizes1 == [1] * 5 and sizes == [3, 2], (sizes1, sizes)  # waves: 3 first blocks, then 2 second ones
+    # packed: a session's blocks in one row (tests/test_prefill_multiblock.py), rows padded to 23 tokens, so the
+    # third row (3 x 23 > the budget of 64) takes a second forward
+    assert sizes1 == [1] * 5 and sizes == [2, 1], (sizes1, sizes)
     for i, (s, (emitted, rows, state)) in enumerate(zip(packed, one)):
         assert s.emitted == emitted and torch.equal(s.rows[0], rows[0]), f"prompt {i}: first token's logits"
         got = _state(s)
@@ -142,7 +144,7 @@ def test_a_fallen_back_prefill_kernel_ends_the_packing(kernel_path, monkeypatch)
     m = _model(False, "float32", seed=33)
     assert packs_rows(m)
     sizes: list[int] = []
-    monkeypatch.setattr(sched_mod, "prefill_rows", lambda model, rows: sizes.append(len(rows)))  # forwards' rows only
+    monkeypatch.setattr(sched_mod, "prefill_rows", lambda model, rows, *a: sizes.append(len(rows)))  # forwards' rows only
     sched = Scheduler(m, max_num_seqs=3, max_model_len=64, k=3, max_num_batched_tokens=64, step_graphs=False)
     g = torch.Generator().manual_seed(3)
     for n in (5, 7, 3):

@@ -141,3 +141,25 @@ def test_resident_and_indexed_bytes_are_both_reported():
               if line.startswith("nextn_prefix_cache_")}
     assert values["nextn_prefix_cache_bytes"] == pc.block_bytes
     assert values["nextn_prefix_cache_resident_bytes"] == slab * pc.block_bytes
+
+
+
+@pytest.mark.parametrize("captured", [False, True])
+def test_an_insert_that_raises_gives_its_block_back(captured):
+    """A copy that raises inside `insert` (a pool slot out of range here) must not leak the block it allocated or
+    was handed reserved: afterwards every block of the cache can still be reserved, and the key is not indexed."""
+    pool = _tiny_pool()
+    probe = PrefixCache(pool, 64 * MB, "m")
+    pc = PrefixCache(pool, 3 * probe.block_bytes, "m")
+    toks = list(range(G + 1))
+    keys = block_keys(toks, 1, pc.root)
+    H = pool.cfg.hidden_size
+    bid = None
+    if captured:
+        bid = pc.reserve()
+        pc.capture_state(bid, 0, 0, torch.zeros(H))
+    with pytest.raises(IndexError):
+        pc.insert(keys, toks, 0, 99, 0, window_slot=0, pre_last=torch.zeros(H), bid=bid)  # slot 99: no such slot
+    assert not pc.contains(keys[0]) and pc.stats.blocks == 0
+    got = [pc.reserve() for _ in range(pc.capacity)]
+    assert None not in got and len(set(got)) == pc.capacity == 3, "a block was lost by the failed insert"

@@ -49,6 +49,7 @@ from .moe import MLP, SparseMoeBlock
 from .ops import dispatch as ops
 from .ops import cpu
 from .ops.gdn import causal_conv_window, gdn_chunked, gdn_recurrent_step, l2norm
+from .ops.gdn_prefill import NO_BOUND
 from .ops.fuse import fuse_linears
 from .ops.matmul_fp8 import FP8
 from .ops.norm import as_dtype, const, one_plus
@@ -211,12 +212,16 @@ class FwdCtx:
     rope_tab: tuple[torch.Tensor, torch.Tensor] | None = None  # host contexts: cos, sin [>= max(pos0) + T, R]
     _grid: tuple[torch.Tensor, ...] | None = None  # slot, pos0, read, write0 [N] long (`grid_index`)
     rope_rows: bool = False  # host contexts: `rope` was given row by row (M-RoPE, a rope delta), not by position
+    seg: list[list[int]] | None = None  # kernel-path prefill: row i's grid blocks' lengths (None: one block a row)
+    keep: list[list[int]] | None = None  # ... and the window slot for the state at each inner boundary (-1: none)
+    _bounds: tuple[torch.Tensor, torch.Tensor] | None = None  # `block_bounds`, built once per forward
 
     @classmethod
     def make(cls, cfg, device: torch.device | str, dtype: torch.dtype, slots: list[int], pos0: list[int],
              read: list[int], write0: list[int], T: int, record: bool, lens: list[int] | None = None,
              rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-             rope_delta: list[int] | None = None) -> FwdCtx:
+             rope_delta: list[int] | None = None, seg: list[list[int]] | None = None,
+             keep: list[list[int]] | None = None) -> FwdCtx:
         """The context of a host-driven forward: the host lists and the RoPE table (`rope_tab`). One row: no index
         tensors (None), RoPE rows as a slice of the table; N rows: the index tensors and gathered RoPE rows when
         the torch path first reads them. lens: N rows with record=False, their real lengths (<= T; the rest is
@@ -226,8 +231,18 @@ class FwdCtx:
         `rope` = each token's cos, sin rows [N, T, R] given (a prompt's M-RoPE rows, `engine.session`), or
         `rope_delta` [N] = row i's tokens rotate at position pos0[i] + rope_delta[i] + t (decode, verify and drafts
         after a prompt with images). Both go to every path as rows (`rope_rows`); a delta of all zeros is the
-        plain context, so a text-only forward keeps its bits."""
+        plain context, so a text-only forward keeps its bits.
+
+        seg, keep (a prefill forward on the kernel path whose rows carry several grid blocks of one prompt): row i's
+        blocks' lengths (summing to its length) and, for each boundary between two of them, the window slot that
+        receives the GDN and conv state there (-1: not kept; never read[i] or write0[i]); see `block_bounds`."""
         N = len(slots)
+        if seg is not None:
+            assert len(seg) == N and all(sum(b) == (T if lens is None else lens[i]) for i, b in enumerate(seg))
+            keep = keep if keep is not None else [[-1] * (len(b) - 1) for b in seg]
+            assert all(len(k) == len(b) - 1 for k, b in zip(keep, seg))
+            if all(len(b) == 1 for b in seg):
+                seg = keep = None
         assert lens is None or (not record and len(lens) == N and max(lens) <= T)
         if rope is None and rope_delta is not None and any(rope_delta):
             at = [p + d for p, d in zip(pos0, rope_delta)]
@@ -241,10 +256,11 @@ class FwdCtx:
             tab = cos, sin = rope_table(cfg, p0 + T, device, dtype)
             return cls(slots, pos0, read, write0, T, record, None, None, None, None, None,
                        rope if rope is not None else (cos[None, p0:p0 + T], sin[None, p0:p0 + T]), device=device,
-                       rope_tab=tab, rope_rows=rope is not None)
+                       rope_tab=tab, rope_rows=rope is not None, seg=seg, keep=keep)
         return cls(slots, pos0, read, write0, T, record, None, None, None, None, None, rope,
                    lens=list(lens) if lens is not None and min(lens) < T else None, device=device,
-                   rope_tab=rope_table(cfg, max(pos0) + T, device, dtype), rope_rows=rope is not None)
+                   rope_tab=rope_table(cfg, max(pos0) + T, device, dtype), rope_rows=rope is not None, seg=seg,
+                   keep=keep)
 
     def _index(self) -> None:
         """N host rows: the index tensors and the gathered RoPE rows, once."""
@@ -304,6 +320,32 @@ class FwdCtx:
             self._grid = tuple(torch.tensor(v, device=self.device)  # [N] long each
                                for v in (self.slots, self.pos0, self.read, self.write0))
         return self._grid  # type: ignore[return-value]
+
+    def block_bounds(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A prefill forward whose rows carry several grid blocks (`seg`): bounds [N, B] int32 (row i's inner block
+        starts as offsets in the row, ascending, padded past every row's length) and keep [N, B] int32 (the window
+        slot for the state at each, -1: none), as ops.gdn_prefill takes them; None for one block a row. Built once
+        per forward for all of its layers."""
+        if self.seg is None:
+            return None
+        if self._bounds is None:
+            B = max(len(b) for b in self.seg)  # inner boundaries + at least one pad a row
+            bounds, keep = [], []
+            for blocks, kept in zip(self.seg, self.keep or []):
+                at = [sum(blocks[:j + 1]) for j in range(len(blocks) - 1)]
+                bounds.append(at + [NO_BOUND] * (B - len(at)))
+                keep.append(list(kept) + [-1] * (B - len(kept)))
+            self._bounds = (torch.tensor(bounds, dtype=torch.int32, device=self.device),  # [N, B]
+                            torch.tensor(keep, dtype=torch.int32, device=self.device))  # [N, B]
+        return self._bounds
+
+    def kept_bounds(self) -> list[tuple[int, int, int]]:
+        """(row i, offset e in the row, window slot w) of every inner block boundary whose state is kept (`keep`):
+        the state after the row's token e-1 goes to window slot w of row i's pool slot."""
+        if self.seg is None or self.keep is None:
+            return []
+        return [(i, sum(blocks[:j + 1]), w) for i, (blocks, kept) in enumerate(zip(self.seg, self.keep))
+                for j, w in enumerate(kept) if w >= 0]
 
     def causal_masks(self, device: torch.device | str) -> torch.Tensor:
         """Host forwards: every row's attention mask [N, T, max(pos0) + T] (query t of row i sees keys
@@ -511,6 +553,8 @@ class GatedDeltaNet(nn.Module):
         dt = x.dtype
         sdt = torch.float64 if dt == torch.float64 else torch.float32
         grid = ctx is not None and st is not None and ctx.prefill_kernels("gdn_prefill", x)
+        if ctx is not None and ctx.seg is not None and not grid:
+            raise ValueError("several grid blocks in one row need the prefill kernels (FwdCtx.seg)")
         if self._w_in is not None:
             proj = linear(x, self._w_in, ctx)  # [N, T, C + nv*dv + 2 nv]
             if not grid and ctx is not None and st is not None and ctx.cpu_kernels \
@@ -541,6 +585,8 @@ class GatedDeltaNet(nn.Module):
         if grid:
             o = self._prefill_kernel(y, b, a, ctx, st)  # [N, T, nv, dv] in dt
             self._write_conv_end(window, ctx, st)
+            for i, e, w in ctx.kept_bounds():  # the conv state at each kept block boundary: after token e-1
+                st.conv[ctx.slots[i], w] = window[i, :, e:e + self.kc - 1]  # [C, Kc-1]
             return linear(self.norm(o, z).reshape(N, T, self.nv * self.dv), self.out_proj.weight, phase=ctx.phase)
         Kd = self.nk * self.dk
         qk = l2norm(as_dtype(y[..., :2 * Kd].reshape(N, T, 2 * self.nk, self.dk), sdt))  # q and k heads in one pass
@@ -613,8 +659,8 @@ class GatedDeltaNet(nn.Module):
     def _prefill_kernel(self, y: torch.Tensor, b: torch.Tensor, a: torch.Tensor, ctx: FwdCtx,
                         st: "GdnPool") -> torch.Tensor:
         """Host prefill forward on the kernels (`ctx.prefill_kernels`): the gates' kernel, then the chunked GDN kernel
-        on the prefill grid (ops.gdn_prefill: chunks of 64 from each row's first token) from window slot read[i] to
-        write0[i], padding (`ctx.lens`) left out of the state and zero in o. y [N, T, C] the conv output (after
+        on the prefill grid (ops.gdn_prefill: chunks of 64 from each block's first token, `ctx.seg`) from window slot
+        read[i] to write0[i] (the states at kept block boundaries to their window slots, `ctx.keep`), padding (`ctx.lens`) left out of the state and zero in o. y [N, T, C] the conv output (after
         SiLU), b, a [N, T, nv] -> o [N, T, nv, dv] in y's dtype."""
         N, T, _ = y.shape
         y = y.contiguous()  # [N, T, C]: the kernel reads q, k, v rows with a unit last stride
@@ -624,8 +670,10 @@ class GatedDeltaNet(nn.Module):
         v = y[..., 2 * Kd:].view(N, T, self.nv, self.dv)
         g, beta = ops.gdn_gates(a, b, *self._decay_consts())  # [N, T, nv] fp32 each
         slot, _, read, write = ctx.grid_index()
+        bk = ctx.block_bounds()  # several blocks a row: chunks restart at each block, kept states written
         o = ops.gdn_prefill(q, k, v, g, beta, st.rec, slot, read, write, ctx.lens_t, qk_l2norm=True,
-                            out_dtype=y.dtype)  # [N, T, nv, dv]
+                            out_dtype=y.dtype, bounds=None if bk is None else bk[0],
+                            keep=None if bk is None else bk[1])  # [N, T, nv, dv]
         if ctx.lens_t is None:
             return o
         # the kernel leaves a row's columns past its length unwritten: zeros there, so the padding's later ops

@@ -277,13 +277,16 @@ def attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 def gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                 rec: torch.Tensor, slot: torch.Tensor, cur: torch.Tensor, dst: torch.Tensor,
                 lens: torch.Tensor | None = None, qk_l2norm: bool = False,
-                out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Prompt chunks: chunked GDN over N rows x T tokens from rec[slot, cur], final state to rec[slot, dst]; o
-    [N, T, nv, dv] in out_dtype (default rec's dtype) (gdn_prefill.py)."""
+                out_dtype: torch.dtype | None = None, bounds: torch.Tensor | None = None,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
+    """Prompt chunks: chunked GDN over N rows x T tokens from rec[slot, cur], final state to rec[slot, dst], chunks
+    restarting at each row's block `bounds` (state there to window slot `keep`); o [N, T, nv, dv] in out_dtype
+    (default rec's dtype) (gdn_prefill.py)."""
     if use_kernel("gdn_prefill", q):
         return _gdnp.chunked_gdn(q, k, v, g, beta, rec, slot, cur, dst, lens, qk_l2norm=qk_l2norm,
-                                 out_dtype=out_dtype or rec.dtype)
-    o = _gdnp.chunked_gdn_ref(q, k, v, g, beta, rec, slot, cur, dst, lens, qk_l2norm=qk_l2norm)
+                                 out_dtype=out_dtype or rec.dtype, bounds=bounds, keep=keep)
+    o = _gdnp.chunked_gdn_ref(q, k, v, g, beta, rec, slot, cur, dst, lens, qk_l2norm=qk_l2norm, bounds=bounds,
+                              keep=keep)
     return o if out_dtype is None else o.to(out_dtype)
 
 

@@ -144,6 +144,10 @@ class SessionState:
         # no MTP head -> plain; sampled + constrained -> plain (the truncation rule is a greedy-exactness rule)
         self.k = k if cfg.has_mtp and (constraint is None or sampling.greedy) else 0
         self.sampling, self.constraint = sampling, constraint
+        #: the next round's draft count chosen by a scheduler's speculation controller (None: k); never above k
+        self.k_next: int | None = None
+        #: rounds run and drafts asked for (the chosen k summed), for usage's mean k
+        self.k_rounds, self.k_sum = 0, 0
         self.eos = set(eos_ids)
         self.p_min, self.capmax, self.hidden_mode = p_min, capmax, hidden_mode
         # emitted tokens' logprobs: None = off; n = with the n most likely alternatives; a tuple of token ids = with
@@ -459,8 +463,10 @@ class SessionState:
                 self.prompt_logprobs.append(TokenLogprob(t, c, list(zip(iv, vv)), r))
 
     def k_round(self) -> int:
-        """Draft tokens this session wants in the next round (0 = a plain step): k, fewer near max_new_tokens."""
-        return max(0, min(self.k, self.max_new_tokens - len(self.emitted) - 1))
+        """Draft tokens this session wants in the next round (0 = a plain step): k (or the controller's `k_next`,
+        never above k), fewer near max_new_tokens."""
+        k = self.k if self.k_next is None else min(self.k, self.k_next)
+        return max(0, min(k, self.max_new_tokens - len(self.emitted) - 1))
 
     def commit_round(self, drafted: int, n_acc: int, toks: list[int], logits: torch.Tensor,
                      carrier: torch.Tensor, pre: torch.Tensor | None = None) -> None:

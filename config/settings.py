@@ -304,7 +304,8 @@ class ServeSettings(BaseModel):
     def _check_speculative_config(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
         if v is None:
             return v
-        unknown = sorted(set(v) - {"method", "model", "num_speculative_tokens", "num_speculative_tokens_per_batch_size"})
+        known = {"method", "model", "num_speculative_tokens", "num_speculative_tokens_per_batch_size"}
+        unknown = sorted(set(v) - known)
         if unknown:
             raise ValueError(f"speculative_config: unsupported key(s) {unknown}")
         method = v.get("method", "mtp")

@@ -6,7 +6,9 @@
     (`DECAY` per observation), blended with a pooled estimate over every row (the prior of a new row, and of a
     position the row never reached: the row's own previous position otherwise);
   * the cost table c(B, T): seconds of one round of B rows (a batch-size bucket) at verify width T, profiled at
-    startup on the real model (`profile_costs`) and refined by an EMA of measured round times (`observe_time`).
+    startup on the real model (`profile_costs`: the forwards alone) and refined by an EMA of measured round times
+    (`observe_time`); a width not measured yet is its profile plus the bucket's measured overhead (the host's work
+    of a round, which the profile leaves out: without it deeper widths would look dearer than they are).
 A row expects E(k) = 1 + sum_{j<k} prod_{i<=j} a_i tokens from k drafts. Each row's own best k* maximises E(k) /
 c(B, k+1); the batch's T maximises sum_r E_r(min(k*_r, T-1)) / c(B, T), rows drafting min(k*_r, T-1). Rows at
 k = 0 are probed at k = 1 on probe rounds (every `PROBE_EVERY` rounds, doubling up to `PROBE_MAX` while probes
@@ -92,6 +94,8 @@ class KPolicy:
     cost: dict[tuple[int, int], float]  # (bucket, T) -> seconds of one round
     buckets: list[int]
     rows: dict[Hashable, _Est] = field(default_factory=dict)
+    seen: dict[tuple[int, int], float] = field(default_factory=dict)  # measured round seconds (EMA) by (B, T)
+    overhead: dict[int, float] = field(default_factory=dict)  # measured - profiled seconds (EMA) by bucket
     pool: _Est | None = None
     rounds: int = 0
     probe_every: int = PROBE_EVERY
@@ -143,7 +147,7 @@ class KPolicy:
             self.last_t = cap + 1
             return [cap] * n
         B = self.bucket(n)
-        c = [self.cost[(B, T)] for T in range(1, cap + 2)]  # c[T-1]
+        c = [self.seconds(B, T) for T in range(1, cap + 2)]  # c[T-1]
         acc = [self.accept(r) for r in rows]
         best = [max(range(cap + 1), key=lambda k, a=a: (self.expected(a, k) / c[k] * (1 + MARGIN) ** -k))
                 for a in acc]  # each row alone: tokens per second, ties to the smaller k
@@ -168,11 +172,19 @@ class KPolicy:
         self.pool.add(drafted, n_acc, POOL_DECAY)
         self._probe_hits += n_acc if self._probing else 0
 
+    def seconds(self, B: int, T: int) -> float:
+        """Estimated seconds of a round of bucket B at width T: measured, else profiled + the bucket's overhead."""
+        got = self.seen.get((B, T))
+        return got if got is not None else self.cost[(B, T)] + self.overhead.get(B, 0.0)
+
     def observe_time(self, n: int, T: int, seconds: float) -> None:
         """The round's wall time (n rows at width T) refines the cost table (an EMA); closes a probe round."""
-        key = (self.bucket(n), T)
-        if key in self.cost:
-            self.cost[key] += COST_EMA * (seconds - self.cost[key])
+        B = self.bucket(n)
+        if (B, T) in self.cost:
+            old = self.seen.get((B, T), seconds)
+            self.seen[(B, T)] = old + COST_EMA * (seconds - old)
+            d = seconds - self.cost[(B, T)]
+            self.overhead[B] = self.overhead.get(B, d) + COST_EMA * (d - self.overhead.get(B, d))
         if self._probing:  # a probe that found nothing waits twice as long for the next one
             self.probe_every = PROBE_EVERY if self._probe_hits else min(PROBE_MAX, 2 * self.probe_every)
             self._probing, self._probe_hits = False, 0
@@ -182,10 +194,10 @@ class KPolicy:
         self.rows.pop(row, None)
 
     def table(self) -> dict[str, dict[str, float]]:
-        """The cost table for /health: {bucket: {T: milliseconds}}."""
+        """The cost table for /health: {bucket: {T: milliseconds}} (estimates now)."""
         out: dict[str, dict[str, float]] = {}
-        for (b, t), s in sorted(self.cost.items()):
-            out.setdefault(str(b), {})[str(t)] = round(s * 1e3, 3)
+        for b, t in sorted(self.cost):
+            out.setdefault(str(b), {})[str(t)] = round(self.seconds(b, t) * 1e3, 3)
         return out
 
 

@@ -220,12 +220,15 @@ class Scheduler:
         return SpecKStats(tuple(self.spec_k_counts), pol.table() if pol is not None and pol.spec.adaptive else {})
 
     def _plan_round(self) -> int:
-        """Set each running row's k for this round (the controller's choice, when there is one); returns T."""
-        rows, pol = self.running, self.policy
+        """Set each running row's k for this round (the controller's choice, when there is one); returns T. A
+        seeded sampled row keeps its k: its draws depend on the k of every round (equal in distribution for any
+        k, but the same seed must give the same text), and the controller's choices depend on measured times."""
+        pol = self.policy
+        rows = [s for s in self.running if s.sampling.greedy or s.sampling.seed is None]
         if rows and pol is not None and (pol.cost or not pol.spec.adaptive):
             for s, k in zip(rows, pol.plan(rows)):
                 s.k_next = k
-        return max((s.k_round() for s in rows), default=0) + 1
+        return max((s.k_round() for s in self.running), default=0) + 1
 
     def _observe_round(self, rows: list[SpecSession], before: list[tuple[int, int]], ks: list[int], T: int,
                        seconds: float) -> None:
@@ -236,7 +239,7 @@ class Scheduler:
         if pol is None or not pol.spec.adaptive or not pol.cost:
             return
         for s, (d0, a0) in zip(rows, before):
-            if s.error is None:
+            if s.error is None and s.k_next is not None:
                 pol.observe(s, s.telem.drafted - d0, s.telem.accepted - a0)
         pol.observe_time(len(rows), T, seconds)
 

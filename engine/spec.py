@@ -117,7 +117,7 @@ def spec_round(model: Qwen35ForCausalLM, rows: list[SpecSession], runner: StepRu
     logits are bit for bit those of a round without it. A batched forward that fails raises: every row is in doubt."""
     ks = [r.k_round() for r in rows]
     for r, k in zip(rows, ks):
-        r.k_rounds, r.k_sum = r.k_rounds + 1, r.k_sum + k
+        r.telem.k_rounds, r.telem.k_sum = r.telem.k_rounds + 1, r.telem.k_sum + k
     hook = ROUND_HOOK  # the research door: None unless armed
     fork = hook(rows, ks) if hook is not None else None
     drafts, qs = _draft(model, rows, ks, runner)  # [N, K]

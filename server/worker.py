@@ -344,6 +344,8 @@ class Worker(Drainable):
         elif pol is not None and not pol.spec.adaptive:
             log.info("%s", pol.spec.describe())
         self._k_seen = self.scheduler.spec_k_stats()
+        if pol is not None:
+            metrics.set_spec_k(self._k_seen)  # the cost table on /health before the first request
         self._cv = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
         self._active: dict[SpecSession, _Active] = {}
@@ -566,7 +568,7 @@ class Worker(Drainable):
             if a is None:
                 continue
             job = a.job
-            if sess.telem.rounds != a.seen.rounds:  # telemetry moves with verify rounds only (not plain steps)
+            if sess.telem.k_rounds != a.seen.k_rounds:  # telemetry moves with rounds only
                 delta = sess.telem.delta_since(a.seen)
                 a.seen = sess.telem.copy()
                 step_telem.merge(delta)
@@ -584,6 +586,10 @@ class Worker(Drainable):
                                       cached_tokens=sess.cached_tokens if first else None)))
         if step_telem.rounds:
             self.metrics.add_spec(step_telem)
+        ks = self.scheduler.spec_k_stats()
+        if ks != self._k_seen:
+            self._k_seen = ks
+            self.metrics.set_spec_k(ks)
         pc = self.scheduler.prefix_stats()
         if pc is not None and pc != self._pc_seen:
             self._pc_seen = pc

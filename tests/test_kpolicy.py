@@ -18,7 +18,7 @@ from engine.graphs import GraphRunner
 from engine.kpolicy import PROBE_EVERY, PROBE_MAX, KPolicy, KPolicySpec, profile_costs
 from engine.loader import load_model
 from engine.scheduler import Scheduler
-from engine.spec import SpecSession, generate_spec
+from engine.spec import SpecSampling, SpecSession, generate_spec
 from tests.test_spec import ParityConstraint
 from tests.tiny import make_checkpoint
 
@@ -83,18 +83,23 @@ def test_adversarial_k_schedules_equal_plain_greedy(model, graphs):
 
 
 def test_controller_on_equals_plain_greedy(model):
-    """The controller (fixed cost table) choosing every round in a batch with a grammar row: plain greedy."""
+    """The controller (fixed cost table) choosing every round: greedy rows emit plain greedy; a seeded sampled row
+    keeps its K (its text is the seed's, whatever the controller measures), as alone."""
     V = model.config.vocab_size
     ps = _prompts(V)
     plain = [generate_spec(model, p, 30, k=0)[0] for p in ps[:3]]
+    sampled = SpecSampling(temperature=0.9, seed=4)
+    alone = SpecSession(model, ps[3], 30, k=K, sampling=sampled).run()
     costs = {(b, t): 1.0 + 0.05 * (t - 1) for b in (1, 2, 4) for t in range(1, K + 2)}
     sched = Scheduler(model, max_num_seqs=4, max_model_len=128, k=K, max_num_batched_tokens=64,
                       spec_policy=KPolicySpec(K), spec_costs=costs)
     rows = [SpecSession(model, p, 30, k=K, pool=sched.pool) for p in ps[:3]]
-    _drive(sched, rows)
-    assert [r.emitted for r in rows] == plain
+    seeded = SpecSession(model, ps[3], 30, k=K, pool=sched.pool, sampling=sampled)
+    _drive(sched, rows + [seeded])
+    assert [r.emitted for r in rows] == plain and seeded.emitted == alone and seeded.k_next is None
+    assert sched.spec_k_counts[0] > 0 and sched.spec_k_counts[K] > 0  # plain rows beside K_max rows
     assert sum(sched.spec_k_counts) > 0 and sched.policy is not None and not sched.policy.rows  # rows forgotten
-    assert all(r.k_rounds > 0 for r in rows)
+    assert all(r.telem.k_rounds > 0 and 0 <= r.telem.k_sum <= K * r.telem.k_rounds for r in rows)
 
 
 def _policy(k: int = K, cost=lambda t: 1.0 + 0.1 * (t - 1), **kw) -> KPolicy:
@@ -177,3 +182,13 @@ def test_profile_costs_interpolates_between_timed_buckets():
     assert {n for n, _ in calls} == {1, 16}
     assert costs[(1, 2)] == 12 and costs[(16, 3)] == 163
     assert costs[(8, 1)] == pytest.approx(11 + (7 / 15) * 150)
+
+
+def test_measured_round_times_refine_the_table_and_unmeasured_widths_carry_the_overhead():
+    pol = _policy()
+    pol.observe_time(1, 1, 2.0)  # profiled 1.0: the host adds 1.0 a round
+    assert pol.seconds(1, 1) == 2.0 and pol.seconds(1, 4) == pytest.approx(1.3 + 1.0)
+    assert pol.seconds(8, 4) == pytest.approx(1.3)  # another bucket: nothing measured there yet
+    pol.observe_time(1, 1, 3.0)
+    assert pol.seconds(1, 1) == pytest.approx(2.0 + 0.2 * 1.0)  # an EMA
+    assert pol.table()["1"]["1"] == pytest.approx(2200.0)

@@ -2,8 +2,8 @@
 
 `KPolicySpec` is what the operator asked for (K_max, adaptive or fixed, an optional K cap by batch size).
 `KPolicy` decides, from two things it learns:
-  * per row, the conditional acceptance a_j of draft position j (given drafts 0..j-1 were accepted): decayed counts
-    (`DECAY` per observation), blended with a pooled estimate over every row (the prior of a new row, and of a
+  * per row, the conditional acceptance a_j of draft position j (given drafts 0..j-1 were accepted): counts decayed
+    by `DECAY` every round (evidence a row at k = 0 no longer renews fades, so it drafts again), blended with a pooled estimate over every row (the prior of a new row, and of a
     position the row never reached: the row's own previous position otherwise);
   * the cost table c(B, T): seconds of one round of B rows (a batch-size bucket) at verify width T, profiled at
     startup on the real model (`profile_costs`: the forwards alone) and refined by an EMA of measured round times
@@ -21,19 +21,21 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Hashable
 
-#: Weight of one past observation per new one (per row and position): ~10 rounds of memory.
+#: A row's counts are multiplied by this every round: ~10 rounds of memory.
 DECAY = 0.9
 #: Pseudo-observations of the pooled estimate in a row's estimate.
 PRIOR_WEIGHT = 1.0
 #: Pooled estimate's decay (across rows: a longer memory).
 POOL_DECAY = 0.98
 #: Acceptance assumed before anything was observed (optimistic: the first rounds draft, then learn).
-A_INIT = 0.7
+A_INIT = 0.9
 #: Probe rounds: every PROBE_EVERY rounds, doubling while probes accept nothing, up to PROBE_MAX.
 PROBE_EVERY = 32
 PROBE_MAX = 256
-#: EMA weight of a measured round time in the cost table.
+#: EMA weight of a measured round time in the cost table; a measurement counts at most SPIKE x the estimate (a
+#: busy host's outliers).
 COST_EMA = 0.2
+SPIKE = 1.5
 #: Widths T are kept unless another's rate is this much better (ties: the smaller T).
 MARGIN = 1e-3
 
@@ -78,10 +80,14 @@ class _Est:
     hit: list[float]
     n: list[float]
 
-    def add(self, drafted: int, n_acc: int, decay: float) -> None:
+    def add(self, drafted: int, n_acc: int) -> None:
         for j in range(min(drafted, n_acc + 1)):  # position j was tried iff drafts 0..j-1 were accepted
-            self.hit[j] = decay * self.hit[j] + (1.0 if j < n_acc else 0.0)
-            self.n[j] = decay * self.n[j] + 1.0
+            self.hit[j] += 1.0 if j < n_acc else 0.0
+            self.n[j] += 1.0
+
+    def decay(self, f: float) -> None:
+        self.hit = [f * h for h in self.hit]
+        self.n = [f * n for n in self.n]
 
 
 @dataclass
@@ -146,6 +152,10 @@ class KPolicy:
         if not self.spec.adaptive or cap == 0:
             self.last_t = cap + 1
             return [cap] * n
+        for r in rows:
+            e = self.rows.get(r)
+            if e is not None:
+                e.decay(DECAY)
         B = self.bucket(n)
         c = [self.seconds(B, T) for T in range(1, cap + 2)]  # c[T-1]
         acc = [self.accept(r) for r in rows]
@@ -167,9 +177,11 @@ class KPolicy:
         """A round's outcome for `row`: `drafted` drafts verified (after cuts), n_acc accepted."""
         K = self.spec.k_max
         e = self.rows.setdefault(row, _Est([0.0] * K, [0.0] * K))
-        e.add(drafted, n_acc, DECAY)
+        e.add(drafted, n_acc)
         assert self.pool is not None
-        self.pool.add(drafted, n_acc, POOL_DECAY)
+        if drafted:
+            self.pool.decay(POOL_DECAY)
+            self.pool.add(drafted, n_acc)
         self._probe_hits += n_acc if self._probing else 0
 
     def seconds(self, B: int, T: int) -> float:
@@ -181,7 +193,9 @@ class KPolicy:
         """The round's wall time (n rows at width T) refines the cost table (an EMA); closes a probe round."""
         B = self.bucket(n)
         if (B, T) in self.cost:
-            old = self.seen.get((B, T), seconds)
+            old = self.seen.get((B, T))
+            seconds = seconds if old is None else min(seconds, SPIKE * old)
+            old = seconds if old is None else old
             self.seen[(B, T)] = old + COST_EMA * (seconds - old)
             d = seconds - self.cost[(B, T)]
             self.overhead[B] = self.overhead.get(B, d) + COST_EMA * (d - self.overhead.get(B, d))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import shutil
 import statistics
 import sys
 import time
@@ -31,7 +32,7 @@ from bench.prefix import CACHE, qwen08b_checkpoint  # noqa: E402
 def demo_shape_random() -> Path:
     """Random weights at the demo's shape (zero acceptance), built once."""
     d = CACHE / "demo-shape-random"
-    if not (d / "model.safetensors").is_file():
+    if not (d / "tokenizer.json").is_file():
         from tests.tiny import make_checkpoint
 
         d.mkdir(parents=True, exist_ok=True)
@@ -39,13 +40,15 @@ def demo_shape_random() -> Path:
                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
                         linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
                         intermediate_size=384)
+        for f in ("tokenizer.json", "tokenizer_config.json"):  # the demo's vocabulary (2112 ids)
+            shutil.copy(DEMO / f, d / f)
     return d
 
 
 def prompts(kind: str, clients: int, vocab: int) -> list[list[int]]:
     """Each client's prompt: chat prompts of the demo (drafts well), random ids (drafts badly), or half of each."""
     rng = random.Random(clients)
-    rand = [[rng.randrange(10, vocab - 10) for _ in range(24)] for _ in range(clients)]
+    rand = [[rng.randrange(10, min(vocab, 2000)) for _ in range(24)] for _ in range(clients)]  # no special ids
     if kind == "random":
         return rand
     tok = Tokenizer.from_dir(DEMO)

@@ -38,6 +38,8 @@ CONFIG_ENV = ENV_PREFIX + "CONFIG"
 DEFAULT_MAX_MODEL_LEN_CAP = 4096
 #: The engine's telemetry tracks this many draft positions (engine.spec.SPEC_TELEM_POS).
 MAX_SPEC_TOKENS = 8
+#: --speculative-config methods that name this server's MTP drafting (vLLM's spellings).
+SPEC_METHODS = ("mtp", "qwen3_5_mtp", "qwen3_next_mtp", "qwen3_5_moe_mtp", "deepseek_mtp")
 #: Without --max-queue the admission queue is sized from memory: one waiting request may hold its prompt ids on
 #: both sides of the engine pipe and its detokenizer and grammar state, bounded by QUEUE_BYTES_PER_TOKEN per token of
 #: the context plus QUEUE_BYTES_PER_REQUEST; the queue may fill QUEUE_MEMORY_SHARE of the available memory, and the
@@ -130,6 +132,13 @@ class ServeSettings(BaseModel):
     spec_draft_p_min: float = Field(
         0.0, ge=0.0, le=1.0, description="stop drafting when the draft token's probability is below this")
     spec_capmax: int = Field(7, ge=1, le=MAX_SPEC_TOKENS, description="upper bound on K")
+    spec_adaptive: bool = Field(
+        True, description="choose each row's draft count 0..K every round from its measured acceptance and the "
+                          "profiled cost of a round (--no-spec-adaptive: every round drafts K)")
+    speculative_config: dict[str, Any] | None = Field(
+        None, description="vLLM's JSON: {\"method\": \"mtp\", \"num_speculative_tokens\": K, "
+                          "\"num_speculative_tokens_per_batch_size\": {\"BATCH\": K, ...}} (K cap for batches up to "
+                          "BATCH rows); sets num_speculative_tokens")
     max_model_len: int | None = Field(
         None, ge=2, description=f"context length, prompt + completion (default: min(checkpoint, "
                                 f"{DEFAULT_MAX_MODEL_LEN_CAP}))")
@@ -271,17 +280,45 @@ class ServeSettings(BaseModel):
     def _domains(cls, v: Any) -> Any:
         return v.replace(",", " ").split() if isinstance(v, str) else v  # the environment's "a.example b.example"
 
-    @field_validator("override_generation_config", "limit_mm_per_prompt", "mm_processor_kwargs", mode="before")
+    @field_validator("override_generation_config", "limit_mm_per_prompt", "mm_processor_kwargs", "speculative_config",
+                     mode="before")
     @classmethod
     def _parse_json(cls, v: Any) -> Any:
-        if isinstance(v, str):
-            try:
-                v = json.loads(v)
-            except ValueError as e:
-                raise ValueError(f"not valid JSON: {e}") from None
-            if not isinstance(v, dict):
-                raise ValueError("must be a JSON object")
+        return json_object(v)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _speculative_config(cls, data: Any) -> Any:
+        """--speculative-config's num_speculative_tokens becomes the setting (it wins over num_speculative_tokens from
+        any source: the config file's default is one)."""
+        if not isinstance(data, dict) or data.get("speculative_config") is None:
+            return data
+        sc = json_object(data["speculative_config"])
+        data = {**data, "speculative_config": sc}
+        if "num_speculative_tokens" in sc:
+            data["num_speculative_tokens"] = sc["num_speculative_tokens"]
+        return data
+
+    @field_validator("speculative_config")
+    @classmethod
+    def _check_speculative_config(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is None:
+            return v
+        known = {"method", "model", "num_speculative_tokens", "num_speculative_tokens_per_batch_size"}
+        unknown = sorted(set(v) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unsupported key(s) {unknown}")
+        method = v.get("method", "mtp")
+        if method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config: method {method!r} is not supported (this server drafts with the "
+                             f"checkpoint's MTP head: one of {', '.join(SPEC_METHODS)})")
+        spec_schedule(v)
         return v
+
+    @property
+    def spec_schedule(self) -> tuple[tuple[int, int], ...]:
+        """--speculative-config's num_speculative_tokens_per_batch_size: ((batch size up to, K cap), ...) ascending."""
+        return spec_schedule(self.speculative_config or {})
 
     @model_validator(mode="after")
     def _k_within_capmax(self) -> ServeSettings:
@@ -305,6 +342,36 @@ class ServeSettings(BaseModel):
         """Base URL clients use (``http://host:port``)."""
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}"
+
+
+def json_object(v: Any) -> Any:
+    """A setting given as JSON text (the command line, the environment) parsed; must be an object."""
+    if isinstance(v, str):
+        try:
+            v = json.loads(v)
+        except ValueError as e:
+            raise ValueError(f"not valid JSON: {e}") from None
+        if not isinstance(v, dict):
+            raise ValueError("must be a JSON object")
+    return v
+
+
+def spec_schedule(sc: Mapping[str, Any]) -> tuple[tuple[int, int], ...]:
+    """num_speculative_tokens_per_batch_size of a speculative config, as ((batch size up to, K cap), ...) ascending:
+    a JSON object {"BATCH": K} or a list of [BATCH, K] pairs; () when absent. Raises ValueError when malformed."""
+    raw = sc.get("num_speculative_tokens_per_batch_size")
+    if raw is None:
+        return ()
+    pairs = list(raw.items()) if isinstance(raw, dict) else raw
+    try:
+        out = sorted((int(b), int(k)) for b, k in pairs)
+    except (TypeError, ValueError):
+        raise ValueError("speculative_config: num_speculative_tokens_per_batch_size must map batch sizes to K "
+                         "({\"8\": 2, ...} or [[8, 2], ...])") from None
+    if not out or any(b < 1 or not 0 <= k <= MAX_SPEC_TOKENS for b, k in out):
+        raise ValueError(f"speculative_config: num_speculative_tokens_per_batch_size needs batch sizes >= 1 and K in "
+                         f"0..{MAX_SPEC_TOKENS}, got {raw!r}")
+    return tuple(out)
 
 
 #: Settings whose values never appear in messages or logs: the `SecretStr` ones.

@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 import torch
 
-from .graphs import EAGER, StepRunner
+from .graphs import EAGER, GraphRunner, StepRunner
 from .model.ops import dispatch as ops
 from .model.qwen35 import Qwen35ForCausalLM
 from .sampling import probs_from_logits, sample
@@ -59,6 +59,23 @@ def rope_deltas(rows: list[SessionState]) -> dict[str, list[int]]:
     return {"delta": d} if any(d) else {}
 
 
+def _write_backlog(model: Qwen35ForCausalLM, rows: list[SessionState], runner: StepRunner, limit: int) -> None:
+    """Write the oldest queued MTP rows of every row whose queue is longer than `limit` (a row that ran plain
+    rounds, k = 0, queued one a round) in head forwards of at most `limit` rows each, until every queue holds
+    `limit` rows or fewer: every forward has a shape the runner captured. Rows right-padded (the padding's K/V land
+    past each row's scratch length and are overwritten later); the logits are not used."""
+    while True:
+        over = [r for r in rows if len(r._mtp_tokens) > limit]
+        if not over:
+            return
+        toks, hid, n = _queued_mtp_rows(over, [min(limit, len(r._mtp_tokens) - limit) for r in over])  # [A, Tm]
+        runner.draft(model, over[0].pool, toks, hid, [r.slot for r in over], [r.scratch.length for r in over],
+                     [k - 1 for k in n], **rope_deltas(over))  # [A, 1, H], [A, V]: unused
+        for r, k in zip(over, n):
+            r.scratch.set_len(r.scratch.length + k)
+            r._mtp_tokens, r._mtp_hidden = r._mtp_tokens[k:], r._mtp_hidden[k:]
+
+
 def _draft(model: Qwen35ForCausalLM, rows: list[SessionState], ks: list[int],
            runner: StepRunner = EAGER) -> tuple[torch.Tensor, list[list]]:
     """Draft up to ks[i] tokens per row, one MTP head forward per depth over every row still drafting.
@@ -73,6 +90,8 @@ def _draft(model: Qwen35ForCausalLM, rows: list[SessionState], ks: list[int],
     if not act:
         return drafts, qs
     pool = rows[0].pool
+    if isinstance(runner, GraphRunner):  # graphs hold T <= the pool's window: older queued rows go first, in chunks
+        _write_backlog(model, [rows[i] for i in act], runner, pool.window)
     # depth 0: each row writes its queued committed rows (1..k+1 of them, padded) and drafts from the last one
     toks, hid, qlen = _queued_mtp_rows([rows[i] for i in act])  # [A, Tq], [A, Tq, H]
     sc_pos = [rows[i].scratch.length for i in act]

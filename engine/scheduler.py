@@ -29,7 +29,9 @@ padding rows write to (`padding_rows(buckets)` extra slots, never handed to a se
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +40,7 @@ from .cache import PREFILL_GRID, GdnPool, PrefixCache, PrefixCacheStats, StatePo
 from .encoder import ImageEncoder, image_patches
 from .graphs import EAGER, GraphRunner, StepRunner, graph_buckets, padding_rows
 from .images import VisionStats
+from .kpolicy import KPolicy, KPolicySpec, SpecKStats, profile_costs
 from .model.ops import cpu
 from .model.ops import dispatch as ops
 from .model.qwen35 import Qwen35ForCausalLM
@@ -110,7 +113,8 @@ class Scheduler:
     def __init__(self, model: Qwen35ForCausalLM, *, max_num_seqs: int, max_model_len: int, k: int,
                  max_num_batched_tokens: int, step_graphs: bool | None = None, prefix_cache_bytes: int | None = 0,
                  encoder_cache_bytes: int = ENCODER_CACHE_BYTES,
-                 encoder_patch_blocks_per_step: int = ENCODER_PATCH_BLOCKS_PER_STEP):
+                 encoder_patch_blocks_per_step: int = ENCODER_PATCH_BLOCKS_PER_STEP,
+                 spec_policy: KPolicySpec | None = None, spec_costs: dict[tuple[int, int], float] | None = None):
         """step_graphs: run the round through a `GraphRunner` (None: when the model is on the kernel path, i.e.
         CUDA with triton; on a CPU it executes the same static-buffer bodies without capturing, for tests).
         prefix_cache_bytes: the prefix cache's memory budget (0: no cache; None: PREFIX_CACHE_MEMORY_FRACTION of the
@@ -118,7 +122,11 @@ class Scheduler:
         encoder_cache_bytes: the encoder cache's budget (image embeddings by content hash; 0: none), when the model
         has a vision tower. encoder_patch_blocks_per_step: the tower's work per step (patches x vision blocks; the
         step's first block always runs): joining sessions' images are encoded between rounds under it, an image
-        across several steps when it needs more, and a session's prefill waits until its images are encoded."""
+        across several steps when it needs more, and a session's prefill waits until its images are encoded.
+        spec_policy: None runs every session at its own k (fixed K); else the speculation controller
+        (`engine.kpolicy`) sets each row's k every round, at most this scheduler's k (its k_max is taken from
+        `k`). Adaptive, it needs the cost table: `spec_costs` ({(bucket, T): seconds}) or, when None, profiled
+        (`profile_speculation`: at once without CUDA graphs; with them, the caller calls it after capturing)."""
         cfg = model.config
         self.model = model
         self.k = k if cfg.has_mtp else 0
@@ -165,6 +173,78 @@ class Scheduler:
             identity = f"{cfg!r}|{cfg.dtype}|{device}|{'row-wise' if self.packs else 'per-row'}|{id(model)}"
             self.cache = PrefixCache(self.pool, prefix_cache_bytes, identity)
             self._decode_blocks = steps_match_prefill(model)
+        #: the speculation controller (None: fixed K); `spec_k_counts[k]`: rounds x rows that drafted k
+        self.policy: KPolicy | None = None
+        self.spec_k_counts = [0] * (self.k + 1)
+        self._cost_buckets = self.buckets or graph_buckets(max_num_seqs)
+        if spec_policy is not None and self.k > 0:
+            spec = dataclasses.replace(spec_policy, k_max=self.k)
+            self.policy = KPolicy(spec, dict(spec_costs or {}), self._cost_buckets)
+            if spec.adaptive and spec_costs is None and not graphs:
+                self.profile_speculation()
+
+    # -- speculation controller ---------------------------------------------------------------------------------
+    def profile_speculation(self) -> dict[tuple[int, int], float]:
+        """Time one round's forwards (verify of B x T tokens and the drafts of width T) for the cost table at a few
+        batch-size buckets and T = 1..k+1, on pool slots no session holds (their contents are garbage until written);
+        returns the table. Only while no session runs (startup)."""
+        assert self.policy is not None and not self.running and not self.joining
+        model, pool, H = self.model, self.pool, self.model.config.hidden_size
+        dev = model.lm_head.weight.device
+        sync = torch.cuda.synchronize if torch.device(dev).type == "cuda" else (lambda: None)
+
+        def run(n: int, T: int) -> None:
+            slots = [pool.alloc() for _ in range(min(n, pool.num_free))]
+            try:
+                m, z = len(slots), [0] * len(slots)
+                if T > 1 and pool.mtp is not None:
+                    h = torch.zeros(m, T, H, dtype=pool.dtype, device=dev)  # [m, T, H]
+                    self.runner.draft(model, pool, torch.zeros(m, T, dtype=torch.long, device=dev), h, slots, z,
+                                      [T - 1] * m)
+                    for _ in range(T - 2):
+                        self.runner.draft(model, pool, torch.zeros(m, 1, dtype=torch.long, device=dev), h[:, :1],
+                                          slots, z, None)
+                self.runner.verify(model, pool, torch.zeros(m, T, dtype=torch.long, device=dev), slots, z, z)
+                sync()
+            finally:
+                for sl in slots:
+                    pool.free(sl)
+
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            self.policy.cost = profile_costs(run, self._cost_buckets, self.k + 1)
+        log.info("%s; cost table profiled in %.2f s (ms per round by batch bucket and width T): %s",
+                 self.policy.spec.describe(), time.perf_counter() - t0, self.policy.table())
+        return self.policy.cost
+
+    def spec_k_stats(self) -> SpecKStats:
+        """Rows x rounds by drafted k since start, and the controller's cost table (ms; {} with fixed K)."""
+        pol = self.policy
+        return SpecKStats(tuple(self.spec_k_counts), pol.table() if pol is not None and pol.spec.adaptive else {})
+
+    def _plan_round(self) -> int:
+        """Set each running row's k for this round (the controller's choice, when there is one); returns T. A
+        seeded sampled row keeps its k: its draws depend on the k of every round (equal in distribution for any
+        k, but the same seed must give the same text), and the controller's choices depend on measured times."""
+        pol = self.policy
+        rows = [s for s in self.running if s.sampling.greedy or s.sampling.seed is None]
+        if rows and pol is not None and (pol.cost or not pol.spec.adaptive):
+            for s, k in zip(rows, pol.plan(rows)):
+                s.k_next = k
+        return max((s.k_round() for s in self.running), default=0) + 1
+
+    def _observe_round(self, rows: list[SpecSession], before: list[tuple[int, int]], ks: list[int], T: int,
+                       seconds: float) -> None:
+        """Feed the round's outcome back: each row's drafts / accepted (its telemetry's change) and the wall time."""
+        for k in ks:
+            self.spec_k_counts[min(k, self.k)] += 1
+        pol = self.policy
+        if pol is None or not pol.spec.adaptive or not pol.cost:
+            return
+        for s, (d0, a0) in zip(rows, before):
+            if s.error is None and s.k_next is not None:
+                pol.observe(s, s.telem.drafted - d0, s.telem.accepted - a0)
+        pol.observe_time(len(rows), T, seconds)
 
     def describe(self) -> str:
         """One line: what the state pool reserved, and the prefix cache's budget."""
@@ -219,6 +299,8 @@ class Scheduler:
 
     def remove(self, sess: SpecSession) -> None:
         """Take `sess` out of the batch and free its slot now (between steps)."""
+        if self.policy is not None:
+            self.policy.forget(sess)
         if sess in self.running:
             self.running.remove(sess)
         elif sess in self.joining:
@@ -545,14 +627,19 @@ class Scheduler:
             self.encoder.keep_pending({s.images[k].hash for s in self.joining if not s.finished
                                        for k in s.images_missing()})
         counts = {s: len(s.emitted) for s in self.running}
+        T = self._plan_round()
         budget = self.max_num_batched_tokens - sum(s.k_round() + 1 for s in self.running)
         if self.running:
             before = [s.cache.length for s in self.running]
+            rows, ks = list(self.running), [s.k_round() for s in self.running]
+            tel = [(s.telem.drafted, s.telem.accepted) for s in rows]
+            t0 = time.perf_counter()
             try:
                 spec_round(self.model, self.running, self.runner)
             except Exception as e:  # noqa: BLE001 - the batched part failed: every row of it is in doubt
                 for s in self.running:
                     s.fail(e)
+            self._observe_round(rows, tel, ks, T, time.perf_counter() - t0)
             if self._decode_blocks:
                 self._capture_decoded(self.running, before)
                 self._finish_pending(self.running)
@@ -579,6 +666,8 @@ class Scheduler:
                     self._finish_pending(ready)
         for s in done:
             self.running.remove(s)
+            if self.policy is not None:
+                self.policy.forget(s)
             self._drop_writes(s)
             s.close()
             res.finished.append(s)

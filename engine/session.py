@@ -34,6 +34,8 @@ class SpecTelemetry:
     accepted: int = 0
     pos_drafted: list[int] = field(default_factory=lambda: [0] * SPEC_TELEM_POS)
     pos_accepted: list[int] = field(default_factory=lambda: [0] * SPEC_TELEM_POS)
+    k_rounds: int = 0  # rounds run, plain steps inside a speculative batch (k = 0) included
+    k_sum: int = 0  # the k each of those rounds asked for, summed (mean_k = k_sum / k_rounds)
 
     def record_round(self, k_round: int, n_acc: int) -> None:
         """Count one verify round that drafted k_round tokens of which n_acc were accepted."""
@@ -50,7 +52,8 @@ class SpecTelemetry:
         return SpecTelemetry(max(self.rounds - prev.rounds, 0), max(self.drafted - prev.drafted, 0),
                              max(self.accepted - prev.accepted, 0),
                              [a - b if a > b else 0 for a, b in zip(self.pos_drafted, prev.pos_drafted)],
-                             [a - b if a > b else 0 for a, b in zip(self.pos_accepted, prev.pos_accepted)])
+                             [a - b if a > b else 0 for a, b in zip(self.pos_accepted, prev.pos_accepted)],
+                             max(self.k_rounds - prev.k_rounds, 0), max(self.k_sum - prev.k_sum, 0))
 
     def merge(self, d: "SpecTelemetry") -> None:
         """Fieldwise += d."""
@@ -59,9 +62,12 @@ class SpecTelemetry:
         self.accepted += d.accepted
         self.pos_drafted = [a + b for a, b in zip(self.pos_drafted, d.pos_drafted)]
         self.pos_accepted = [a + b for a, b in zip(self.pos_accepted, d.pos_accepted)]
+        self.k_rounds += d.k_rounds
+        self.k_sum += d.k_sum
 
     def copy(self) -> "SpecTelemetry":
-        return SpecTelemetry(self.rounds, self.drafted, self.accepted, list(self.pos_drafted), list(self.pos_accepted))
+        return SpecTelemetry(self.rounds, self.drafted, self.accepted, list(self.pos_drafted), list(self.pos_accepted),
+                             self.k_rounds, self.k_sum)
 
     @property
     def acceptance_rate(self) -> float:
@@ -78,7 +84,8 @@ class SpecTelemetry:
         n = k if k is not None else max((j + 1 for j, c in enumerate(self.pos_drafted) if c), default=0)
         return {"rounds": self.rounds, "drafted": self.drafted, "accepted": self.accepted,
                 "acceptance_rate": round(self.acceptance_rate, 6),
-                "pos_drafted": self.pos_drafted[:n], "pos_accepted": self.pos_accepted[:n]}
+                "pos_drafted": self.pos_drafted[:n], "pos_accepted": self.pos_accepted[:n],
+                "mean_k": round(self.k_sum / self.k_rounds, 4) if self.k_rounds else 0.0}
 
 
 @runtime_checkable
@@ -144,6 +151,8 @@ class SessionState:
         # no MTP head -> plain; sampled + constrained -> plain (the truncation rule is a greedy-exactness rule)
         self.k = k if cfg.has_mtp and (constraint is None or sampling.greedy) else 0
         self.sampling, self.constraint = sampling, constraint
+        #: the next round's draft count chosen by a scheduler's speculation controller (None: k); never above k
+        self.k_next: int | None = None
         self.eos = set(eos_ids)
         self.p_min, self.capmax, self.hidden_mode = p_min, capmax, hidden_mode
         # emitted tokens' logprobs: None = off; n = with the n most likely alternatives; a tuple of token ids = with
@@ -479,8 +488,10 @@ class SessionState:
                 self.prompt_logprobs.append(TokenLogprob(t, c, list(zip(iv, vv)), r))
 
     def k_round(self) -> int:
-        """Draft tokens this session wants in the next round (0 = a plain step): k, fewer near max_new_tokens."""
-        return max(0, min(self.k, self.max_new_tokens - len(self.emitted) - 1))
+        """Draft tokens this session wants in the next round (0 = a plain step): k (or the controller's `k_next`,
+        never above k), fewer near max_new_tokens."""
+        k = self.k if self.k_next is None else min(self.k, self.k_next)
+        return max(0, min(k, self.max_new_tokens - len(self.emitted) - 1))
 
     def commit_round(self, drafted: int, n_acc: int, toks: list[int], logits: torch.Tensor,
                      carrier: torch.Tensor, pre: torch.Tensor | None = None) -> None:

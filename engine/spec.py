@@ -116,6 +116,8 @@ def spec_round(model: Qwen35ForCausalLM, rows: list[SpecSession], runner: StepRu
     the verify; in acceptance or commit, its result is dropped. Every op is row-wise, so the other rows' tokens and
     logits are bit for bit those of a round without it. A batched forward that fails raises: every row is in doubt."""
     ks = [r.k_round() for r in rows]
+    for r, k in zip(rows, ks):
+        r.telem.k_rounds, r.telem.k_sum = r.telem.k_rounds + 1, r.telem.k_sum + k
     hook = ROUND_HOOK  # the research door: None unless armed
     fork = hook(rows, ks) if hook is not None else None
     drafts, qs = _draft(model, rows, ks, runner)  # [N, K]

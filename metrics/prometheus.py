@@ -16,6 +16,9 @@ Spec-decode counters (registered only when ``num_spec_tokens`` K > 0; fed from `
 ``nextn_spec_decode_num_accepted_tokens_total``                        ``accepted`` (bonus excluded)
 ``nextn_spec_decode_num_accepted_tokens_per_pos_total{position="j"}``  ``pos_accepted[j]``
 ``nextn_spec_decode_num_drafted_tokens_per_pos_total{position="j"}``   ``pos_drafted[j]`` (nextn extra)
+``nextn_spec_decode_k``                                                histogram: the k each row drafted in
+                                                                       each round, 0..K (nextn extra; from
+                                                                       ``engine.kpolicy.SpecKStats``)
 ====================================================================  ============================
 
 Per-position children exist at 0 from startup for positions ``0..min(K, 8)-1`` (as vLLM pre-creates
@@ -286,6 +289,12 @@ class ServingMetrics:
                 self._pos_child("pos_accepted", j)
                 self._pos_child("pos_drafted", j)
             aliased += [drafts, draft_tokens, accepted, acc_pos]
+            self._spec_k = histogram("spec_decode_k", "Draft tokens a row asked for in one round (the speculation "
+                                     "controller's k, 0 = a plain step inside the batch).",
+                                     [float(k) for k in range(self.num_spec_tokens + 1)]).labels(*lv)
+        self._k_seen: tuple[int, ...] = ()
+        #: the speculation controller's cost table ({bucket: {T: ms}}) as last reported (/health)
+        self.spec_costs: dict[str, dict[str, float]] = {}
 
         prompt = counter("prompt_tokens", "Number of prefill tokens processed.")
         generation = counter("generation_tokens", "Number of generation tokens processed.")
@@ -429,6 +438,21 @@ class ServingMetrics:
             blocks.set(self._nonneg(stats.blocks, "prefix cache blocks"))
             resident.set(self._nonneg(stats.resident_bytes, "prefix cache resident bytes"))
             capacity.set(self._nonneg(stats.capacity_bytes, "prefix cache capacity"))
+
+    def set_spec_k(self, stats: Any) -> None:
+        """The engine's speculation-length counts (an ``engine.kpolicy.SpecKStats``: cumulative rows x rounds by
+        drafted k, and the controller's cost table): the histogram observes each k as often as its count grew
+        since the last call; the cost table is kept for /health. Dropped with speculation off."""
+        counts = [int(c) for c in stats.counts]
+        with self._lock:
+            self.spec_costs = dict(stats.costs)
+            if self._spec is None:
+                return
+            seen = list(self._k_seen) + [0] * (len(counts) - len(self._k_seen))
+            for k, (new, old) in enumerate(zip(counts, seen)):
+                for _ in range(max(0, new - old)):
+                    self._spec_k.observe(float(k))
+            self._k_seen = tuple(max(a, b) for a, b in zip(counts, seen))
 
     def set_vision(self, stats: Any) -> None:
         """The engine's image counters (an ``engine.images.VisionStats``: cumulative ``images_encoded``,

@@ -460,6 +460,9 @@ async def health(raw: Request) -> JSONResponse:
     kernels = getattr(worker, "kernel_info", None)
     if kernels:  # CUDA: each Triton kernel's startup verdict, "triton" or "torch" (its twin runs instead)
         body["kernels"] = kernels
+    costs = getattr(raw.app.state.metrics, "spec_costs", None)
+    if costs:  # the speculation controller's cost table: ms per round by batch bucket and verify width T
+        body["spec_cost_ms"] = costs
     return JSONResponse(body, status_code=200 if alive else 503)
 
 

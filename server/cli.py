@@ -198,6 +198,7 @@ def build_server(settings: ServeSettings, model: Any, tokenizer: Any, generation
     are logged with their source. `worker_kw` is passed to either (tests inject a `session_factory`; a
     module-level one for the engine process)."""
     from engine.gen_defaults import load_generation_defaults
+    from engine.kpolicy import KPolicySpec
     from engine.loader import load_config
     from metrics.prometheus import ServingMetrics
     from server.app import build_app
@@ -207,6 +208,7 @@ def build_server(settings: ServeSettings, model: Any, tokenizer: Any, generation
     assert settings.served_model_name is not None and settings.max_model_len is not None and \
         settings.max_queue is not None, "resolve settings first"
     k = settings.num_speculative_tokens
+    spec_policy = KPolicySpec(k, settings.spec_adaptive, settings.spec_schedule) if k > 0 else None
     metrics = ServingMetrics(settings.served_model_name, num_spec_tokens=k,
                              compat_vllm=settings.metrics_compat == "vllm",
                              optipipe_stats=arm_research_door(settings.research_opti_controller_q, k))
@@ -223,7 +225,8 @@ def build_server(settings: ServeSettings, model: Any, tokenizer: Any, generation
                             settings.grammar_max_bytes,
                             settings.grammar_compile_timeout, settings.grammar_cache_size, kernels=settings.kernels,
                             language_model_only=settings.language_model_only,
-                            encoder_cache_bytes=settings.encoder_cache_bytes, **worker_kw)
+                            encoder_cache_bytes=settings.encoder_cache_bytes, spec_policy=spec_policy,
+                            **worker_kw)
         worker = EngineProcess(setup, metrics, max_queue=settings.max_queue, max_num_seqs=settings.max_num_seqs)
         worker.start()  # the child loads the model and reserves its pool; raises when it cannot
         dtype = worker.dtype
@@ -234,7 +237,7 @@ def build_server(settings: ServeSettings, model: Any, tokenizer: Any, generation
                         max_num_seqs=settings.max_num_seqs, max_queue=settings.max_queue,
                         max_model_len=settings.max_model_len, max_num_batched_tokens=settings.max_num_batched_tokens,
                         prefix_cache_bytes=settings.prefix_cache_bytes, kernels=settings.kernels,
-                        encoder_cache_bytes=settings.encoder_cache_bytes, **worker_kw)
+                        encoder_cache_bytes=settings.encoder_cache_bytes, spec_policy=spec_policy, **worker_kw)
         worker.start()
         dtype = str(cfg.dtype).removeprefix("torch.")
     metrics.set_kernel_info(worker.kernel_info)

@@ -38,6 +38,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from engine.kpolicy import KPolicySpec
 from engine.scheduler import ENCODER_CACHE_BYTES
 from server.worker import (
     DEVICE_LOST_EXIT,
@@ -88,6 +89,7 @@ class EngineSetup:
     language_model_only: bool = False  # load no vision tower
     encoder_cache_bytes: int = ENCODER_CACHE_BYTES  # the scheduler's image-embedding cache
     session_factory: Callable[..., Any] | None = None  # tests inject failures (a module-level callable)
+    spec_policy: KPolicySpec | None = None  # the speculation controller's policy (None: fixed K)
 
 
 @dataclass(frozen=True)
@@ -115,7 +117,7 @@ class _RelayMetrics:
     """The child's stand-in for `ServingMetrics`: records the worker's calls for the parent to replay."""
 
     _CALLS = ("observe_queue_time", "observe_ttft", "observe_itl", "add_spec", "set_running", "set_waiting",
-              "set_prefix_cache", "set_vision", "set_pool_usage")
+              "set_prefix_cache", "set_vision", "set_pool_usage", "set_spec_k")
 
     def __init__(self, relay: _Relay) -> None:
         for name in self._CALLS:
@@ -261,7 +263,7 @@ def _engine_main(setup: EngineSetup, cmds: Connection, out: Connection) -> None:
                         max_model_len=setup.max_model_len, max_num_batched_tokens=setup.max_num_batched_tokens,
                         prefix_cache_bytes=setup.prefix_cache_bytes, encoder_cache_bytes=setup.encoder_cache_bytes,
                         session_factory=setup.session_factory or SpecSession, outbox=relay, kernels=setup.kernels,
-                        on_device_lost=relay.device_lost)
+                        on_device_lost=relay.device_lost, spec_policy=setup.spec_policy)
     except (PoolTooLarge, KernelCheckFailed) as e:
         out.send(("fatal", str(e)))
         return

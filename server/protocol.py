@@ -406,6 +406,8 @@ class SpecUsage(BaseModel):
     acceptance_rate: float = Field(description="accepted / drafted (0 when nothing was drafted)")
     pos_drafted: list[int] = Field(description="per draft position j < K: rounds that drafted position j")
     pos_accepted: list[int] = Field(description="per draft position j < K: rounds that accepted position j")
+    mean_k: float = Field(0.0, description="mean draft tokens asked for per round (the speculation controller's k; "
+                                           "0 = plain steps)")
 
 
 class PromptTokensDetails(BaseModel):

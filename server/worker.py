@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from engine.images import ImageInput
+from engine.kpolicy import KPolicySpec
 from engine.scheduler import ENCODER_CACHE_BYTES, Scheduler
 from engine.selfcheck import startup
 from engine.spec import SpecConstraint, SpecSampling, SpecSession, SpecTelemetry
@@ -314,7 +315,7 @@ class Worker(Drainable):
                  prefix_cache_bytes: int | None = 0, session_factory: SessionFactory = SpecSession,
                  outbox: Any = None, kernels: str = "auto",
                  on_device_lost: Callable[[DeviceLost, list[Job]], Any] | None = None,
-                 encoder_cache_bytes: int = ENCODER_CACHE_BYTES) -> None:
+                 encoder_cache_bytes: int = ENCODER_CACHE_BYTES, spec_policy: KPolicySpec | None = None) -> None:
         self.model = model
         self.metrics = metrics
         self.k, self.p_min, self.capmax = k, p_min, capmax
@@ -323,7 +324,7 @@ class Worker(Drainable):
         self.session_factory = session_factory
         self.scheduler = Scheduler(model, max_num_seqs=max_num_seqs, max_model_len=max_model_len, k=k,
                                    max_num_batched_tokens=max_num_batched_tokens, prefix_cache_bytes=prefix_cache_bytes,
-                                   encoder_cache_bytes=encoder_cache_bytes)
+                                   encoder_cache_bytes=encoder_cache_bytes, spec_policy=spec_policy)
         log.info("%s", self.scheduler.describe())
         self._pc_seen = self.scheduler.prefix_stats()
         if self._pc_seen is not None:
@@ -337,6 +338,14 @@ class Worker(Drainable):
         # (engine/selfcheck.py; --kernels strict: any failure is fatal)
         self.startup = startup(model, self.scheduler.runner, strict=kernels == "strict", progress=True)
         self.kernel_info = self.startup.kernel_info()  # kernel -> "triton" | "torch" ({} on the torch path)
+        pol = self.scheduler.policy
+        if pol is not None and pol.spec.adaptive and not pol.cost:  # graphs captured: the round's costs now
+            self.scheduler.profile_speculation()
+        elif pol is not None and not pol.spec.adaptive:
+            log.info("%s", pol.spec.describe())
+        self._k_seen = self.scheduler.spec_k_stats()
+        if pol is not None:
+            metrics.set_spec_k(self._k_seen)  # the cost table on /health before the first request
         self._cv = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
         self._active: dict[SpecSession, _Active] = {}
@@ -559,7 +568,7 @@ class Worker(Drainable):
             if a is None:
                 continue
             job = a.job
-            if sess.telem.rounds != a.seen.rounds:  # telemetry moves with verify rounds only (not plain steps)
+            if sess.telem.k_rounds != a.seen.k_rounds:  # telemetry moves with rounds only
                 delta = sess.telem.delta_since(a.seen)
                 a.seen = sess.telem.copy()
                 step_telem.merge(delta)
@@ -577,6 +586,10 @@ class Worker(Drainable):
                                       cached_tokens=sess.cached_tokens if first else None)))
         if step_telem.rounds:
             self.metrics.add_spec(step_telem)
+        ks = self.scheduler.spec_k_stats()
+        if ks != self._k_seen:
+            self._k_seen = ks
+            self.metrics.set_spec_k(ks)
         pc = self.scheduler.prefix_stats()
         if pc is not None and pc != self._pc_seen:
             self._pc_seen = pc

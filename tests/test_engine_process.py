@@ -58,9 +58,9 @@ def failing_session(*args, **kw):
 
 @pytest.fixture(scope="module")
 def pair():
-    """The demo model served twice, K = 3: in this process and with an engine process."""
-    with ServerThread(demo=True, max_model_len=1024) as inproc, \
-            ServerThread(demo=True, max_model_len=1024, engine_process=True) as proc:
+    """The demo model served twice, K = 3 fixed (equal usage counts): in this process and with an engine process."""
+    with ServerThread(demo=True, max_model_len=1024, spec_adaptive=False) as inproc, \
+            ServerThread(demo=True, max_model_len=1024, engine_process=True, spec_adaptive=False) as proc:
         assert isinstance(proc.worker, EngineProcess) and not isinstance(inproc.worker, EngineProcess)
         yield inproc, proc
 

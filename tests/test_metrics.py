@@ -42,6 +42,7 @@ SPEC_FAMILIES = (
     "nextn_spec_decode_num_accepted_tokens",
     "nextn_spec_decode_num_accepted_tokens_per_pos",
     "nextn_spec_decode_num_drafted_tokens_per_pos",
+    "nextn_spec_decode_k",
 )
 
 
@@ -188,6 +189,23 @@ def test_spec_off_registers_no_spec_families():
     assert "nextn_prompt_tokens" in names and not any("spec" in n for n in names)
     on = {f.name for f in text_string_to_metric_families(ServingMetrics(MODEL, 1).render()[0].decode())}
     assert set(SPEC_FAMILIES) <= on and not set(SPEC_FAMILIES) & names
+
+
+def test_spec_k_histogram_counts_each_rows_k_and_keeps_the_cost_table():
+    """set_spec_k's cumulative counts become histogram observations (each k as often as its count grew); the cost
+    table is kept for /health; with speculation off nothing is exported."""
+    from engine.kpolicy import SpecKStats
+    m = ServingMetrics(MODEL, 3)
+    m.set_spec_k(SpecKStats((2, 0, 1, 4), {"1": {"1": 5.0}}))
+    m.set_spec_k(SpecKStats((3, 0, 1, 6), {"1": {"1": 4.0}}))
+    fam = {f.name: f for f in text_string_to_metric_families(m.render()[0].decode())}["nextn_spec_decode_k"]
+    le = {s.labels["le"]: s.value for s in fam.samples if s.name.endswith("_bucket")}
+    assert le == {"0.0": 3, "1.0": 3, "2.0": 4, "3.0": 10, "+Inf": 10}
+    assert [s.value for s in fam.samples if s.name.endswith("_sum")] == [2 + 18]
+    assert m.spec_costs == {"1": {"1": 4.0}}
+    off = ServingMetrics(MODEL, 0)
+    off.set_spec_k(SpecKStats((5,), {}))
+    assert b"spec_decode_k" not in off.render()[0]
 
 
 def test_negative_delta_rejected_without_partial_update():
@@ -370,7 +388,8 @@ def test_compat_vllm_exposes_equal_values_under_both_names():
     # every nextn series of an aliased family has its vllm twin
     for (name, labels), v in s.items():
         base = name[len("nextn_"):]
-        nextn_only = any(x in name for x in ("drafted_tokens_per_pos", "grammar_compile", "prefix_cache_bytes",
+        nextn_only = any(x in name for x in ("drafted_tokens_per_pos", "spec_decode_k_", "grammar_compile",
+                                             "prefix_cache_bytes",
                                              "prefix_cache_resident_bytes",
                                              "prefix_cache_blocks", "prefix_cache_capacity"))
         if not name.startswith("nextn_") or name.endswith("_created") or nextn_only:

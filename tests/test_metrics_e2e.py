@@ -124,13 +124,14 @@ def _nextn_exe() -> list[str]:
 
 @pytest.fixture(scope="module")
 def cli_server():
-    """`nextn serve TINY --num-speculative-tokens 3` as a subprocess on 127.0.0.1; yields its base URL."""
+    """`nextn serve TINY --num-speculative-tokens 3 --no-spec-adaptive` as a subprocess on 127.0.0.1; yields its
+    base URL."""
     port = free_port()
     log = tempfile.NamedTemporaryFile(prefix="nextn-serve-", suffix=".log", delete=False)
     env = {k: v for k, v in os.environ.items() if not k.startswith("NEXTN_")}
     cmd = _nextn_exe() + ["serve", str(tiny_checkpoint()), "--host", "127.0.0.1", "--port", str(port),
                           "--device", "cpu", "--num-speculative-tokens", str(K), "--max-model-len", "1024",
-                          "--log-level", "warning"]
+                          "--log-level", "warning", "--no-spec-adaptive"]  # drafted counts at fixed K
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
 
@@ -399,7 +400,7 @@ class RecordingSession(SpecSession):
 @pytest.fixture(scope="module")
 def compat_server():
     """In-process server (same wiring as `nextn serve`) with --metrics-compat vllm and session recording."""
-    with ServerThread(worker_kw={"session_factory": RecordingSession}, num_speculative_tokens=K,
+    with ServerThread(worker_kw={"session_factory": RecordingSession}, num_speculative_tokens=K, spec_adaptive=False,
                       max_model_len=1024, metrics_compat="vllm") as s:
         yield s
 

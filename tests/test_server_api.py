@@ -34,7 +34,7 @@ class ExplodingSession(SpecSession):
 @pytest.fixture(scope="module")
 def srv():
     with ServerThread(worker_kw={"session_factory": ExplodingSession}, api_key=API_KEY,
-                      max_model_len=MAX_MODEL_LEN) as s:
+                      max_model_len=MAX_MODEL_LEN, spec_adaptive=False) as s:  # drafted counts at fixed K
         yield s
 
 
@@ -143,7 +143,8 @@ def test_chat_non_stream_shape_and_spec_usage(client, srv):
     assert u.total_tokens == u.prompt_tokens + u.completion_tokens and 1 <= u.completion_tokens <= 12
     spec = u.model_extra["spec"]
     k = srv.settings.num_speculative_tokens
-    assert set(spec) == {"rounds", "drafted", "accepted", "acceptance_rate", "pos_drafted", "pos_accepted"}
+    assert set(spec) == {"rounds", "drafted", "accepted", "acceptance_rate", "pos_drafted", "pos_accepted", "mean_k"}
+    assert 0 <= spec["mean_k"] <= k
     assert len(spec["pos_drafted"]) == k and len(spec["pos_accepted"]) == k
     assert spec["rounds"] >= 1 and spec["drafted"] == sum(spec["pos_drafted"])
     assert spec["acceptance_rate"] == (spec["accepted"] / spec["drafted"] if spec["drafted"] else 0.0)

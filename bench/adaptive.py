@@ -1,0 +1,107 @@
+"""The speculation length controller against fixed K, through `nextn serve`: aggregate streaming tokens/s of 1 and
+8 greedy clients on servers at their defaults (the controller on) and with --no-spec-adaptive at fixed K in
+--ks, interleaved round by round in one run (the box's load hits every server alike), as ratios.
+
+Workloads: `zero-demo` and `zero-0.8b`: random weights (zero acceptance) at the demo shape and at the Qwen3.5-0.8B
+shape (built once under ~/.cache/nextn/bench); `demo`: the demo model (models/demo) on chat prompts (high
+acceptance); `mixed`: the demo model, half the clients on chat prompts, half on random token ids (which draft
+badly). Targets (issue 41): zero >= 0.97x plain (K = 0), demo >= 0.97x the best fixed K and >= 1.8x plain, mixed >=
+the best fixed K.
+
+    python bench/adaptive.py --tokens 64 --repeat 3
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from runtime import DEFAULT_BENCH_PROMPTS, DEMO, Server, Tokenizer, _clients_once  # noqa: E402
+
+from bench.prefix import CACHE, qwen08b_checkpoint  # noqa: E402
+
+
+def demo_shape_random() -> Path:
+    """Random weights at the demo's shape (zero acceptance), built once."""
+    d = CACHE / "demo-shape-random"
+    if not (d / "tokenizer.json").is_file():
+        from tests.tiny import make_checkpoint
+
+        d.mkdir(parents=True, exist_ok=True)
+        make_checkpoint(d, seed=3, with_tokenizer=False, vocab_size=2112, hidden_size=128, num_hidden_layers=12,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
+                        linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+                        intermediate_size=384)
+        for f in ("tokenizer.json", "tokenizer_config.json"):  # the demo's vocabulary (2112 ids)
+            shutil.copy(DEMO / f, d / f)
+    return d
+
+
+def prompts(kind: str, clients: int, vocab: int) -> list[list[int]]:
+    """Each client's prompt: chat prompts of the demo (drafts well), random ids (drafts badly), or half of each."""
+    rng = random.Random(clients)
+    rand = [[rng.randrange(10, min(vocab, 2000)) for _ in range(24)] for _ in range(clients)]  # no special ids
+    if kind == "random":
+        return rand
+    tok = Tokenizer.from_dir(DEMO)
+    chats = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}], enable_thinking=False))
+             for t in DEFAULT_BENCH_PROMPTS]
+    chat = [chats[i % len(chats)] for i in range(clients)]
+    return chat if kind == "chat" else [chat[i] if i % 2 == 0 else rand[i] for i in range(clients)]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=64, help="tokens per stream")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--ks", default="0,1,2,3", help="fixed K values compared (0 = plain)")
+    ap.add_argument("--workloads", default="zero-demo,zero-0.8b,demo,mixed")
+    ap.add_argument("--clients", default="1,8")
+    ap.add_argument("--device", default="cpu")
+    args = ap.parse_args()
+    ks = [int(k) for k in args.ks.split(",")]
+    kmax = max(3, max(ks))
+    extra = ["--cpu-threads", "1", "--no-engine-process"] if args.device == "cpu" else []
+    work = {"zero-demo": (demo_shape_random, "random", 2112), "zero-0.8b": (qwen08b_checkpoint, "random", 248000),
+            "demo": (lambda: DEMO, "chat", 2112), "mixed": (lambda: DEMO, "mixed", 2112)}
+    for name in args.workloads.split(","):
+        mk, kind, vocab = work[name]
+        ckpt = mk()
+        tokens = args.tokens if name != "zero-0.8b" else max(8, args.tokens // 4)
+        servers = {"adaptive": Server(ckpt, k=kmax, device=args.device, extra=extra)}
+        for k in ks:
+            servers[f"K={k}"] = Server(ckpt, k=k, device=args.device, extra=[*extra, "--no-spec-adaptive"])
+        try:
+            models = {n: s.model_id() for n, s in servers.items()}
+            for c in (int(x) for x in args.clients.split(",")):
+                ps = prompts(kind, c, vocab)
+                for n, s in servers.items():  # warm-up: the controller learns, the caches settle
+                    _clients_once(s.url, models[n], ps, tokens)
+                runs: dict[str, list[float]] = {n: [] for n in servers}
+                t0 = time.monotonic()
+                for _ in range(args.repeat):
+                    for n, s in servers.items():
+                        runs[n].append(_clients_once(s.url, models[n], ps, tokens))
+                med = {n: statistics.median(v) for n, v in runs.items()}
+                fixed = {n: v for n, v in med.items() if n.startswith("K=")}
+                best = max(fixed, key=fixed.get)
+                a = med["adaptive"]
+                print(f"| {name} | {c} | {a:.1f} | " + " | ".join(f"{n} {v:.1f}" for n, v in fixed.items())
+                      + f" | {a / med['K=0']:.2f}x plain | {a / fixed[best]:.2f}x best ({best}) | "
+                      f"{time.monotonic() - t0:.0f} s |", flush=True)
+        finally:
+            for s in servers.values():
+                s.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

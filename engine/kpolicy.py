@@ -1,0 +1,241 @@
+"""The speculation length controller: each round, the batch's verify width T and each row's draft count k.
+
+`KPolicySpec` is what the operator asked for (K_max, adaptive or fixed, an optional K cap by batch size).
+`KPolicy` decides, from two things it learns:
+  * per row, the conditional acceptance a_j of draft position j (given drafts 0..j-1 were accepted): counts decayed
+    by `DECAY` every round (evidence a row at k = 0 no longer renews fades, so it drafts again), blended with a pooled estimate over every row (the prior of a new row, and of a
+    position the row never reached: the row's own previous position otherwise);
+  * the cost table c(B, T): seconds of one round of B rows (a batch-size bucket) at verify width T, profiled at
+    startup on the real model (`profile_costs`: the forwards alone) and refined by an EMA of measured round times
+    (`observe_time`); a width not measured yet is its profile plus the bucket's measured overhead (the host's work
+    of a round, which the profile leaves out: without it deeper widths would look dearer than they are).
+A row expects E(k) = 1 + sum_{j<k} prod_{i<=j} a_i tokens from k drafts. Each row's own best k* maximises E(k) /
+c(B, k+1); the batch's T maximises sum_r E_r(min(k*_r, T-1)) / c(B, T), rows drafting min(k*_r, T-1). Rows at
+k = 0 are probed at k = 1 on probe rounds (every `PROBE_EVERY` rounds, doubling up to `PROBE_MAX` while probes
+fail), and rows at 0 < k < cap probe k + 1 then: their estimates can recover and deepen. Exactness never depends
+on any of this: spec == plain for every k of every row in every round.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Hashable
+
+#: A row's counts are multiplied by this every round: ~10 rounds of memory.
+DECAY = 0.9
+#: Pseudo-observations of the pooled estimate in a row's estimate.
+PRIOR_WEIGHT = 1.0
+#: Pooled estimate's decay (across rows: a longer memory).
+POOL_DECAY = 0.98
+#: Acceptance assumed before anything was observed (optimistic: the first rounds draft, then learn).
+A_INIT = 0.9
+#: Probe rounds: every PROBE_EVERY rounds, doubling while probes accept nothing, up to PROBE_MAX.
+PROBE_EVERY = 32
+PROBE_MAX = 256
+#: EMA weight of a measured round time in the cost table; a measurement counts at most SPIKE x the estimate (a
+#: busy host's outliers).
+COST_EMA = 0.2
+SPIKE = 1.5
+#: Widths T are kept unless another's rate is this much better (ties: the smaller T).
+MARGIN = 1e-3
+
+
+@dataclass(frozen=True)
+class SpecKStats:
+    """Rows x rounds by the k they drafted since start (counts[k]), and the controller's cost table ({bucket: {T:
+    milliseconds}}; empty with fixed K): what metrics/ and /health report."""
+
+    counts: tuple[int, ...] = ()
+    costs: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class KPolicySpec:
+    """The operator's speculation policy: k_max drafts at most; adaptive (the controller) or fixed K; schedule:
+    ((batch size up to, K cap), ...) ascending, the cap of the first entry whose batch size >= N (beyond the last:
+    the last's cap)."""
+
+    k_max: int
+    adaptive: bool = True
+    schedule: tuple[tuple[int, int], ...] = ()
+
+    def cap(self, n: int) -> int:
+        """K cap for a batch of n rows (k_max, lowered by the schedule)."""
+        for bs, k in self.schedule:
+            if n <= bs:
+                return min(self.k_max, k)
+        return min(self.k_max, self.schedule[-1][1]) if self.schedule else self.k_max
+
+    def describe(self) -> str:
+        """One line for the startup log."""
+        sched = (", K cap by batch size " + ", ".join(f"<={b}: {k}" for b, k in self.schedule)) if self.schedule else ""
+        mode = "adaptive per row and round (0..K)" if self.adaptive else "fixed K"
+        return f"speculation: K={self.k_max}, {mode}{sched}"
+
+
+@dataclass
+class _Est:
+    """Decayed (hits, tries) per draft position."""
+
+    hit: list[float]
+    n: list[float]
+
+    def add(self, drafted: int, n_acc: int) -> None:
+        for j in range(min(drafted, n_acc + 1)):  # position j was tried iff drafts 0..j-1 were accepted
+            self.hit[j] += 1.0 if j < n_acc else 0.0
+            self.n[j] += 1.0
+
+    def decay(self, f: float) -> None:
+        self.hit = [f * h for h in self.hit]
+        self.n = [f * n for n in self.n]
+
+
+@dataclass
+class KPolicy:
+    """Per-row, per-round K. `plan(rows)` -> each row's k for the next round; `observe(row, drafted, n_acc)` after
+    it, `observe_time(n, T, seconds)` with the round's wall time; `forget(row)` when a row leaves. Rows are any
+    hashable keys. Deterministic given the cost table and the history fed in."""
+
+    spec: KPolicySpec
+    cost: dict[tuple[int, int], float]  # (bucket, T) -> seconds of one round
+    buckets: list[int]
+    rows: dict[Hashable, _Est] = field(default_factory=dict)
+    seen: dict[tuple[int, int], float] = field(default_factory=dict)  # measured round seconds (EMA) by (B, T)
+    overhead: dict[int, float] = field(default_factory=dict)  # measured - profiled seconds (EMA) by bucket
+    pool: _Est | None = None
+    rounds: int = 0
+    probe_every: int = PROBE_EVERY
+    _probing: bool = False
+    _probe_hits: int = 0
+    last_t: int = 1
+
+    def __post_init__(self) -> None:
+        K = self.spec.k_max
+        self.pool = self.pool or _Est([0.0] * K, [0.0] * K)
+
+    def bucket(self, n: int) -> int:
+        """The cost table's bucket for n rows (the smallest >= n; the largest beyond it)."""
+        return next((b for b in self.buckets if b >= n), self.buckets[-1])
+
+    def accept(self, row: Hashable) -> list[float]:
+        """Row's estimated conditional acceptance per position (the pooled one for an unknown row)."""
+        K, p, e = self.spec.k_max, self.pool, self.rows.get(row)
+        assert p is not None
+        out, prev = [], A_INIT
+        for j in range(K):
+            pj = (p.hit[j] + PRIOR_WEIGHT * prev) / (p.n[j] + PRIOR_WEIGHT)  # pooled, falling back on position j-1
+            if e is None:
+                a = pj
+            elif e.n[j] < 0.5 and j > 0:  # a position the row never reached: its own position j-1's estimate
+                a = out[-1]
+            else:
+                a = (e.hit[j] + PRIOR_WEIGHT * pj) / (e.n[j] + PRIOR_WEIGHT)
+            out.append(a)
+            prev = pj
+        return out
+
+    @staticmethod
+    def expected(a: list[float], k: int) -> float:
+        """E(k) = 1 + sum_{j<k} prod_{i<=j} a_i: tokens one round emits with k drafts."""
+        e, p = 1.0, 1.0
+        for j in range(k):
+            p *= a[j]
+            e += p
+        return e
+
+    def plan(self, rows: list[Hashable]) -> list[int]:
+        """Each row's k for the next round (a round over `rows`, in order; none: [])."""
+        if not rows:
+            return []
+        self.rounds += 1
+        n, cap = len(rows), self.spec.cap(len(rows))
+        if not self.spec.adaptive or cap == 0:
+            self.last_t = cap + 1
+            return [cap] * n
+        for r in rows:
+            e = self.rows.get(r)
+            if e is not None:
+                e.decay(DECAY)
+        B = self.bucket(n)
+        c = [self.seconds(B, T) for T in range(1, cap + 2)]  # c[T-1]
+        acc = [self.accept(r) for r in rows]
+        best = [max(range(cap + 1), key=lambda k, a=a: (self.expected(a, k) / c[k] * (1 + MARGIN) ** -k))
+                for a in acc]  # each row alone: tokens per second, ties to the smaller k
+        rate, T = -1.0, 1
+        for t in range(1, cap + 2):
+            r = sum(self.expected(a, min(b, t - 1)) for a, b in zip(acc, best)) / c[t - 1]
+            if r > rate * (1 + MARGIN):
+                rate, T = r, t
+        ks = [min(b, T - 1) for b in best]
+        self._probing = self.rounds % self.probe_every == 0
+        if self._probing:  # rows at 0 try 1, rows below the cap try one deeper
+            ks = [min(k + 1, cap) for k in ks]
+        self.last_t = max(ks) + 1
+        return ks
+
+    def observe(self, row: Hashable, drafted: int, n_acc: int) -> None:
+        """A round's outcome for `row`: `drafted` drafts verified (after cuts), n_acc accepted."""
+        K = self.spec.k_max
+        e = self.rows.setdefault(row, _Est([0.0] * K, [0.0] * K))
+        e.add(drafted, n_acc)
+        assert self.pool is not None
+        if drafted:
+            self.pool.decay(POOL_DECAY)
+            self.pool.add(drafted, n_acc)
+        self._probe_hits += n_acc if self._probing else 0
+
+    def seconds(self, B: int, T: int) -> float:
+        """Estimated seconds of a round of bucket B at width T: measured, else profiled + the bucket's overhead."""
+        got = self.seen.get((B, T))
+        return got if got is not None else self.cost[(B, T)] + self.overhead.get(B, 0.0)
+
+    def observe_time(self, n: int, T: int, seconds: float) -> None:
+        """The round's wall time (n rows at width T) refines the cost table (an EMA); closes a probe round."""
+        B = self.bucket(n)
+        if (B, T) in self.cost:
+            old = self.seen.get((B, T))
+            seconds = seconds if old is None else min(seconds, SPIKE * old)
+            old = seconds if old is None else old
+            self.seen[(B, T)] = old + COST_EMA * (seconds - old)
+            d = seconds - self.cost[(B, T)]
+            self.overhead[B] = self.overhead.get(B, d) + COST_EMA * (d - self.overhead.get(B, d))
+        if self._probing:  # a probe that found nothing waits twice as long for the next one
+            self.probe_every = PROBE_EVERY if self._probe_hits else min(PROBE_MAX, 2 * self.probe_every)
+            self._probing, self._probe_hits = False, 0
+
+    def forget(self, row: Hashable) -> None:
+        """`row` left: drop its estimate."""
+        self.rows.pop(row, None)
+
+    def table(self) -> dict[str, dict[str, float]]:
+        """The cost table for /health: {bucket: {T: milliseconds}} (estimates now)."""
+        out: dict[str, dict[str, float]] = {}
+        for b, t in sorted(self.cost):
+            out.setdefault(str(b), {})[str(t)] = round(self.seconds(b, t) * 1e3, 3)
+        return out
+
+
+def profile_costs(run: Callable[[int, int], None], buckets: list[int], t_max: int, *, points: int = 3,
+                  reps: int = 2, clock: Callable[[], float] = time.perf_counter) -> dict[tuple[int, int], float]:
+    """The cost table {(bucket, T): seconds} for T = 1..t_max: `run(n, T)` runs one round's forwards (the verify
+    of n x T tokens and its drafts) and must block until done; timed (best of `reps`, after one warm-up) at up to
+    `points` buckets (the smallest, the largest, and spread between), linear in the bucket between them."""
+    pick = sorted({buckets[round(i * (len(buckets) - 1) / max(1, points - 1))] for i in range(points)})
+    meas: dict[tuple[int, int], float] = {}
+    for b in pick:
+        for T in range(1, t_max + 1):
+            run(b, T)
+            best = float("inf")
+            for _ in range(reps):
+                t0 = clock()
+                run(b, T)
+                best = min(best, clock() - t0)
+            meas[(b, T)] = best
+    out = {}
+    for b in buckets:
+        lo = max((p for p in pick if p <= b), default=pick[0])
+        hi = min((p for p in pick if p >= b), default=pick[-1])
+        for T in range(1, t_max + 1):
+            f = 0.0 if hi == lo else (b - lo) / (hi - lo)
+            out[(b, T)] = (1 - f) * meas[(lo, T)] + f * meas[(hi, T)]
+    return out

@@ -1,0 +1,194 @@
+"""The speculation length controller (engine/kpolicy.py) and its wiring in the scheduler.
+
+What each test proves: greedy output equals plain greedy bit for bit under adversarial per-row, per-round K
+schedules (K changing every round, rows at 0 beside rows at K_max, a grammar row; through the graph runner's
+bodies too, where the MTP backlog of plain rounds is written in chunks of captured widths) and with the
+controller itself on; the controller's decisions are a function of the cost table and the history (zero
+acceptance -> k = 0 but on probe rounds, which back off; high acceptance -> the deepest k the costs pay for; a
+mixed batch -> a k per row); the K cap by batch size; the profiled cost table.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.graphs import GraphRunner
+from engine.kpolicy import PROBE_EVERY, PROBE_MAX, KPolicy, KPolicySpec, profile_costs
+from engine.loader import load_model
+from engine.scheduler import Scheduler
+from engine.spec import SpecSampling, SpecSession, generate_spec
+from tests.test_spec import ParityConstraint
+from tests.tiny import make_checkpoint
+
+K = 4
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return load_model(make_checkpoint(tmp_path_factory.mktemp("kp"), seed=41, with_tokenizer=False), dtype="float32")
+
+
+def _prompts(V: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(0, V, (n,), generator=g).tolist() for n in (5, 19, 33, 8)]
+
+
+def _drive(sched: Scheduler, sessions: list[SpecSession], choose=None) -> None:
+    """Add every session, then step until all finish; `choose(step, i)` sets row i's k before each step."""
+    for s in sessions:
+        sched.add(s)
+    step = 0
+    while sched.num_sessions:
+        if choose is not None:
+            for i, s in enumerate(sessions):
+                s.k_next = choose(step, i)
+        sched.step()
+        step += 1
+        assert step < 1000
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-bodies"])
+def test_adversarial_k_schedules_equal_plain_greedy(model, graphs):
+    """Every row's k is redrawn every round (0..K_max, rows at 0 beside rows at K_max, long runs at 0 so the MTP
+    backlog outgrows the graphs' width), a grammar row among them: each row emits plain greedy, bit for bit."""
+    V = model.config.vocab_size
+    ps = _prompts(V)
+    banned = set(range(0, V, 7))
+    plain = [generate_spec(model, p, 40, k=0)[0] for p in ps[:3]]
+    cons_ref = SpecSession(model, ps[3], 40, k=0, constraint=ParityConstraint(V, banned)).run()
+    rng = random.Random(7)
+    sched = Scheduler(model, max_num_seqs=4, max_model_len=128, k=K, max_num_batched_tokens=64, step_graphs=graphs)
+    assert isinstance(sched.runner, GraphRunner) == graphs
+    mk = lambda i, **kw: SpecSession(model, ps[i], 40, k=K, pool=sched.pool, **kw)  # noqa: E731
+    rows = [mk(0), mk(1), mk(2), mk(3, constraint=ParityConstraint(V, banned))]
+    widths: list[int] = []
+    draft = sched.runner.draft
+
+    def spy(model, pool, tokens, *a, **kw):
+        widths.append(tokens.shape[1])
+        return draft(model, pool, tokens, *a, **kw)
+
+    sched.runner.draft = spy
+    # row 0: random every round; row 1: K_max; row 2: 0 for 12 rounds then K_max (backlog 12 > window 5);
+    # row 3 (grammar): alternates 0 and K_max
+    _drive(sched, rows, lambda step, i: (rng.randint(0, K), K, 0 if step < 12 else K, K * (step % 2))[i])
+    assert [r.emitted for r in rows[:3]] == plain
+    assert rows[3].emitted == cons_ref
+    assert all(r.telem.drafted > 0 for r in rows)
+    assert sched.pool.num_free == 4
+    if graphs:  # the 12-row backlog went through forwards no wider than the captured window
+        assert widths and max(widths) <= sched.pool.window and widths.count(sched.pool.window) >= 2
+
+
+def test_controller_on_equals_plain_greedy(model):
+    """The controller (fixed cost table) choosing every round: greedy rows emit plain greedy; a seeded sampled row
+    keeps its K (its text is the seed's, whatever the controller measures), as alone."""
+    V = model.config.vocab_size
+    ps = _prompts(V)
+    plain = [generate_spec(model, p, 30, k=0)[0] for p in ps[:3]]
+    sampled = SpecSampling(temperature=0.9, seed=4)
+    alone = SpecSession(model, ps[3], 30, k=K, sampling=sampled).run()
+    costs = {(b, t): 1.0 + 0.05 * (t - 1) for b in (1, 2, 4) for t in range(1, K + 2)}
+    sched = Scheduler(model, max_num_seqs=4, max_model_len=128, k=K, max_num_batched_tokens=64,
+                      spec_policy=KPolicySpec(K), spec_costs=costs)
+    rows = [SpecSession(model, p, 30, k=K, pool=sched.pool) for p in ps[:3]]
+    seeded = SpecSession(model, ps[3], 30, k=K, pool=sched.pool, sampling=sampled)
+    _drive(sched, rows + [seeded])
+    assert [r.emitted for r in rows] == plain and seeded.emitted == alone and seeded.k_next is None
+    assert sched.spec_k_counts[0] > 0 and sched.spec_k_counts[K] > 0  # plain rows beside K_max rows
+    assert sum(sched.spec_k_counts) > 0 and sched.policy is not None and not sched.policy.rows  # rows forgotten
+    assert all(r.telem.k_rounds > 0 and 0 <= r.telem.k_sum <= K * r.telem.k_rounds for r in rows)
+
+
+def _policy(k: int = K, cost=lambda t: 1.0 + 0.1 * (t - 1), **kw) -> KPolicy:
+    return KPolicy(KPolicySpec(k, **kw), {(b, t): cost(t) for b in (1, 2, 4, 8) for t in range(1, k + 2)},
+                   [1, 2, 4, 8])
+
+
+def _feed(pol: KPolicy, rows: list[str], rounds: int, n_acc) -> list[list[int]]:
+    """Run `rounds` rounds: plan, then each row accepts n_acc(row, k) of its k drafts. Returns the plans."""
+    out = []
+    for _ in range(rounds):
+        ks = pol.plan(rows)
+        out.append(ks)
+        for r, k in zip(rows, ks):
+            pol.observe(r, k, n_acc(r, k))
+        pol.observe_time(len(rows), max(ks) + 1, pol.cost[(pol.bucket(len(rows)), max(ks) + 1)])
+    return out
+
+
+def test_zero_acceptance_runs_plain_but_probes_with_backoff():
+    pol = _policy()
+    plans = _feed(pol, ["a", "b"], 600, lambda r, k: 0)
+    late = plans[20:]
+    probes = [i + 20 + 1 for i, ks in enumerate(late) if any(ks)]  # 1-based round numbers
+    assert all(ks == [0, 0] for i, ks in enumerate(late) if i + 21 not in probes)
+    assert all(ks == [1, 1] for i, ks in enumerate(late) if i + 21 in probes)  # probes: both rows, k = 1, together
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps and gaps[-1] == PROBE_MAX and len(probes) < 600 / PROBE_EVERY  # failed probes back off
+    assert sum(map(sum, late)) < 0.02 * len(late) * 2 * K
+
+
+def test_high_acceptance_drafts_deep_and_mixed_batch_differs_per_row():
+    pol = _policy()
+    plans = _feed(pol, ["a"], 30, lambda r, k: k)
+    assert plans[-1] == [K]  # all accepted, drafts cheap: the deepest k
+    pol = _policy(cost=lambda t: 1.0 + 0.6 * (t - 1))  # each draft costs 60% of a plain step
+    plans = _feed(pol, ["a"], 40, lambda r, k: min(k, 1))  # only the first draft is ever accepted
+    assert plans[-2] == [1] or plans[-1] == [1]
+    pol = _policy()
+    plans = _feed(pol, ["good", "bad"], 40, lambda r, k: k if r == "good" else 0)
+    assert plans[-2] == [K, 0] or plans[-1] == [K, 0]
+    acc = pol.accept("good")
+    assert min(acc) > 0.9 and max(pol.accept("bad")[:1]) < 0.2
+
+
+def test_decisions_are_deterministic_from_costs_and_history():
+    """Two controllers fed the same cost table and the same outcomes plan the same ks, round by round (and a
+    history with different rows' acceptance leads to different ks per row)."""
+    rng = random.Random(3)
+    draws = [rng.choice((0, 1, 4)) for _ in range(600)]  # accepted-length caps, row by row, round by round
+
+    def run():
+        it = iter(draws)
+        pol = _policy()
+        return _feed(pol, ["x", "y", "z"], 200, lambda r, k: min(k, next(it) if r != "y" else 0)), pol.table()
+
+    a, b = run(), run()
+    assert a == b
+    assert any(ks[0] != ks[1] for ks in a[0])
+
+
+def test_fixed_policy_and_batch_size_schedule():
+    spec = KPolicySpec(4, adaptive=False, schedule=((1, 4), (4, 2), (16, 1)))
+    assert [spec.cap(n) for n in (1, 2, 4, 5, 16, 64)] == [4, 2, 2, 1, 1, 1]
+    assert KPolicySpec(3).cap(100) == 3
+    pol = KPolicy(spec, {}, [1, 2, 4, 8])
+    assert pol.plan(["a"]) == [4] and pol.plan(["a", "b", "c"]) == [2, 2, 2]
+    assert "fixed K" in spec.describe() and "<=4: 2" in spec.describe()
+
+
+def test_profile_costs_interpolates_between_timed_buckets():
+    t = [0.0]
+    calls = []
+
+    def run(n, T):
+        calls.append((n, T))
+        t[0] += n * 10 + T  # the fake clock advances by the "work"
+
+    costs = profile_costs(run, [1, 2, 4, 8, 16], 3, points=2, reps=1, clock=lambda: t[0])
+    assert {n for n, _ in calls} == {1, 16}
+    assert costs[(1, 2)] == 12 and costs[(16, 3)] == 163
+    assert costs[(8, 1)] == pytest.approx(11 + (7 / 15) * 150)
+
+
+def test_measured_round_times_refine_the_table_and_unmeasured_widths_carry_the_overhead():
+    pol = _policy()
+    pol.observe_time(1, 1, 2.0)  # profiled 1.0: the host adds 1.0 a round
+    assert pol.seconds(1, 1) == 2.0 and pol.seconds(1, 4) == pytest.approx(1.3 + 1.0)
+    assert pol.seconds(8, 4) == pytest.approx(1.3)  # another bucket: nothing measured there yet
+    pol.observe_time(1, 1, 3.0)
+    assert pol.seconds(1, 1) == pytest.approx(2.0 + 0.2 * 1.0)  # an EMA
+    assert pol.table()["1"]["1"] == pytest.approx(2200.0)

@@ -57,6 +57,7 @@ VISION_CONFIG = {"model_type": "qwen3_5_vision", "depth": 2, "hidden_size": 128,
                  "spatial_merge_size": 2, "num_position_embeddings": 64, "hidden_act": "gelu_pytorch_tanh",
                  "initializer_range": 0.02}
 MROPE_SECTION = [2, 1, 1]  # sums to rotary_dim / 2 = 32 * 0.25 / 2 = 4; interleaved (T H W T) as Qwen3.5's
+AUX_WEIGHTS = (2.0, 1.0, 1.0)  # the probe loss' weights on count, colour, shape: counting is the hardest to learn
 TEXT_PREFIX, VL_PREFIX = "model.", "model.language_model."
 
 
@@ -198,8 +199,8 @@ def train(model, data: Prompts, *, seed: int, minutes: float, max_steps: int, ba
     """AdamW on model.visual (the language model frozen unless lm_lr > 0), cosine schedule over the wall-clock
     budget. lm_lr > 0 (an experiment: it changes the text weights) also trains the language model, each step
     adding the demo corpus' text loss on `text_rows` rows of 128 tokens so the text skills are kept. aux > 0 adds
-    a probe loss (weight aux): linear heads on each image's mean and max embedding predict count, colour and shape
-    (the probe is discarded; it only speeds up the tower's learning)."""
+    a probe loss (weight aux, times AUX_WEIGHTS per attribute): linear heads on each image's mean and max embedding
+    predict count, colour and shape (the probe is discarded; it only speeds up the tower's learning)."""
     for p in model.parameters():
         p.requires_grad_(False)
     params = list(model.model.visual.parameters())
@@ -241,7 +242,8 @@ def train(model, data: Prompts, *, seed: int, minutes: float, max_steps: int, ba
             pooled = torch.stack([torch.cat([f.mean(0), f.amax(0)]) for f in feats])  # [B, 2 * hidden]
             logits = probe(pooled).split([len(pics.COUNTS), len(pics.COLOURS), len(pics.SHAPES)], dim=-1)
             want = torch.tensor([e["attrs"] for e in exs])  # [B, 3]
-            loss = loss + aux * sum(F.cross_entropy(lg, want[:, i]) for i, lg in enumerate(logits))
+            loss = loss + aux * sum(wt * F.cross_entropy(lg, want[:, i])
+                                    for i, (wt, lg) in enumerate(zip(AUX_WEIGHTS, logits)))
         if text is not None:
             ids, w = text.batch(text_rows)  # [R, 128] each
             logits = model(input_ids=ids[:, :-1]).logits  # [R, 127, V]

@@ -1,9 +1,10 @@
 """Generated pictures for the demo model's vision tower: shapes x colours x counts on a plain background.
 
-`picture(seed)` is deterministic: one to four well-separated shapes (circle, square, triangle), all of one kind and
-one of four colours, random sizes and positions, on a plain pale background, at a random size of 128..192 pixels a
-side (the demo's preprocessor_config.json resizes any image into [128*128, 192*192] pixels: 16..36 image tokens
-after the 2 x 2 merge, so a shape of 12..38 px spans several 16-px patches). Its answer is the text the demo is trained to say, e.g. "two red circles.".
+`picture(seed)` is deterministic: one to four well-separated shapes (circle, square or triangle), all of one kind
+and one of four colours, random sizes and positions, on a plain pale background, at a random size of 128..192 pixels
+a side (the demo's preprocessor_config.json resizes any image into [128*128, 192*192] pixels: 16..36 image tokens
+after the 2 x 2 merge, so each shape spans several 16-px patches). Its answer is the text the demo is trained to
+say, e.g. "two red circles.".
 
 Split by seed: training pictures use seeds [0, HELDOUT_SEED), held-out pictures seeds >= HELDOUT_SEED.
 

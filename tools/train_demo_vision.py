@@ -6,16 +6,17 @@ picture shows). Pictures come from tools/demo_pictures.py (shapes x colours x co
 template's rendering with the image part as `<|vision_start|><|image_pad|><|vision_end|>` before the question, the
 pad expanded to the image's token count, and the answer, e.g. "two red circles.", then <|im_end|>.
 
-transformers' `Qwen3_5ForConditionalGeneration` is the training and evaluation model (test/tool dependency; the
-serving engine is not used here). fla is blocked before transformers is imported.
+transformers' `Qwen3_5ForConditionalGeneration` is the training model (test/tool dependency); --engine-eval runs
+held-out pictures through our engine (engine.spec, K=3). fla is blocked before transformers is imported.
 
-    python tools/train_demo_vision.py --out /tmp/demo-vl --minutes 22            # train + evaluate, write a copy
-    python tools/train_demo_vision.py --out models/demo --minutes 22             # ... in place
-    python tools/train_demo_vision.py --eval-only models/demo --n-eval 400       # held-out accuracy only
+    python tools/train_demo_vision.py --out /tmp/demo-vl --minutes 22            # train the tower + evaluate
+    python tools/train_demo_vision.py --eval-only /tmp/demo-vl --n-eval 400      # held-out accuracy (transformers)
+    python tools/train_demo_vision.py --engine-eval /tmp/demo-vl --n-eval 200    # ... through our engine, + MTP
     python tools/train_demo_vision.py --text-cost models/demo /tmp/demo-vl   # text answers/MTP before vs after
     python tools/train_demo_vision.py --soft-bound 225      # the most any tower could do with the text model frozen
-    python tools/train_demo_vision.py --out /tmp/demo-vl --minutes 14 --unfreeze-lm 1e-3   # experiment: trains
-                                                            # the text model too (its weights change; not the demo)
+    python tools/train_demo_vision.py --out /tmp/demo-vl-lm --minutes 32 --unfreeze-lm 1e-3 --aux 0.5  # trains the
+                                                            # text model too (its weights change; not the demo)
+    python tools/train_demo_vision.py --mtp-only /tmp/demo-vl-lm --out /tmp/demo-vl --mtp-minutes 6   # refit mtp.*
 
 Writes into --out: config.json in the VL layout (model_type qwen3_5, text_config = the text fields, vision_config,
 the vision token ids, M-RoPE sections), model.safetensors (text tensors under HF's VL names
@@ -85,8 +86,8 @@ def vl_config(tc: dict, tok: Tokenizer, vision: dict) -> dict:
 
 
 def preprocessor_config() -> dict:
-    """preprocessor_config.json: Qwen3.5's image processor with min/max pixels = demo_pictures' 64^2 .. 128^2 (any
-    image is resized into 4..16 image tokens)."""
+    """preprocessor_config.json: Qwen3.5's image processor with min/max pixels = demo_pictures' MIN_SIDE^2 ..
+    MAX_SIDE^2 (any image is resized into 16..36 image tokens)."""
     return {"size": {"shortest_edge": pics.MIN_SIDE ** 2, "longest_edge": pics.MAX_SIDE ** 2},
             "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
             "image_std": [0.5, 0.5, 0.5], "rescale_factor": 1 / 255, "resample": 3, "do_resize": True,

@@ -1,9 +1,10 @@
 """Generated pictures for the demo model's vision tower: shapes x colours x counts on a plain background.
 
-`picture(seed)` is deterministic: one to four non-overlapping shapes, all of one kind and one colour, random sizes
-and positions, on a plain pale background, at a random size of 64..128 pixels a side (the demo's
-preprocessor_config.json resizes any image into [64*64, 128*128] pixels: 4..16 image tokens after the 2 x 2
-merge). Its answer is the text the demo is trained to say, e.g. "two red circles.".
+`picture(seed)` is deterministic: one to four well-separated shapes (circle, square or triangle), all of one kind
+and one of four colours, random sizes and positions, on a plain pale background, at a random size of 128..192 pixels
+a side (the demo's preprocessor_config.json resizes any image into [128*128, 192*192] pixels: 16..36 image tokens
+after the 2 x 2 merge, so each shape spans several 16-px patches). Its answer is the text the demo is trained to
+say, e.g. "two red circles.".
 
 Split by seed: training pictures use seeds [0, HELDOUT_SEED), held-out pictures seeds >= HELDOUT_SEED.
 
@@ -19,12 +20,12 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
-SHAPES = ("circle", "square", "triangle", "star")
-PLURALS = {"circle": "circles", "square": "squares", "triangle": "triangles", "star": "stars"}
-COLOURS = {"red": (220, 30, 30), "green": (30, 160, 40), "blue": (30, 60, 220), "yellow": (235, 200, 0),
-           "purple": (140, 40, 170)}
+SHAPES = ("circle", "square", "triangle")
+PLURALS = {"circle": "circles", "square": "squares", "triangle": "triangles"}
+COLOURS = {"red": (220, 30, 30), "green": (30, 160, 40), "blue": (30, 60, 220), "yellow": (235, 200, 0)}
 COUNTS = ("one", "two", "three", "four")
-MIN_SIDE, MAX_SIDE = 64, 128  # generated sides; the preprocessor's min/max pixels are MIN_SIDE**2 and MAX_SIDE**2
+MIN_SIDE, MAX_SIDE = 128, 192  # generated sides; the preprocessor's min/max pixels are MIN_SIDE**2 and MAX_SIDE**2
+GAP_FRACTION, GAP_PIXELS = 0.3, 4  # shapes stay apart: centre distance > (r1 + r2) * 1.3 + 4 px
 HELDOUT_SEED = 1_000_000  # seeds from here on are never trained on
 QUESTIONS = ("What is in this picture?", "Describe the image.", "What do you see?", "What is in the image?",
              "What does this picture show?")
@@ -57,19 +58,18 @@ def answer_fields(text: str) -> tuple[str, str, str] | None:
 
 
 def _outline(shape: str, cx: float, cy: float, r: float, turn: float) -> list[tuple[float, float]]:
-    """Polygon points of a square, triangle or star of circumradius r centred at (cx, cy), rotated by `turn`."""
+    """Polygon points of a square or triangle of circumradius r centred at (cx, cy), rotated by `turn`."""
     if shape == "square":
         pts = [(math.pi / 4 + k * math.pi / 2, r) for k in range(4)]
-    elif shape == "triangle":
+    else:  # triangle
         pts = [(-math.pi / 2 + k * 2 * math.pi / 3, r) for k in range(3)]
-    else:  # star: five points, inner radius 0.45 r
-        pts = [(-math.pi / 2 + k * math.pi / 5, r if k % 2 == 0 else 0.45 * r) for k in range(10)]
     return [(cx + rr * math.cos(a + turn), cy + rr * math.sin(a + turn)) for a, rr in pts]
 
 
 def picture(seed: int) -> Picture:
     """The picture of `seed` (same seed, same pixels): count, shape and colour uniform, sizes and positions random,
-    no two shapes overlapping (a bounded number of placement tries, shrinking the shapes when crowded)."""
+    no two shapes closer than GAP_FRACTION of their radii plus GAP_PIXELS (a bounded number of placement tries,
+    shrinking the shapes when crowded)."""
     rng = random.Random(seed)
     shape, colour, count = rng.choice(SHAPES), rng.choice(list(COLOURS)), rng.randint(1, len(COUNTS))
     w, h = rng.randint(MIN_SIDE, MAX_SIDE), rng.randint(MIN_SIDE, MAX_SIDE)
@@ -85,7 +85,7 @@ def picture(seed: int) -> Picture:
             for _ in range(200):
                 r = rng.uniform(0.09, 0.2) * side * scale
                 cx, cy = rng.uniform(r + 1, w - r - 1), rng.uniform(r + 1, h - r - 1)
-                if all(math.hypot(cx - x, cy - y) > r + rr + 2 for x, y, rr in placed):
+                if all(math.hypot(cx - x, cy - y) > (r + rr) * (1 + GAP_FRACTION) + GAP_PIXELS for x, y, rr in placed):
                     placed.append((cx, cy, r))
                     break
         if len(placed) == count:

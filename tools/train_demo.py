@@ -161,7 +161,8 @@ def mtp_passes(model: Qwen35ForCausalLM, ids: torch.Tensor, post: torch.Tensor, 
         q = att.q_norm(q)
         k = att.k_norm(att.k_proj(hn).view(B, R, nkv, hd))
         v = att.v_proj(hn).view(B, R, nkv, hd)
-        cos, sin = rope_cos_sin(torch.arange(m, m + R, device=ids.device), att.rotary_dim, att.theta, x.dtype)
+        cos, sin = rope_cos_sin(torch.arange(m, m + R, device=ids.device)[None], att.rotary_dim, att.theta,
+                                x.dtype)  # [1, R, rotary_dim] each
         q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
         ks.append(k)
         vs.append(v)

@@ -6,16 +6,17 @@ picture shows). Pictures come from tools/demo_pictures.py (shapes x colours x co
 template's rendering with the image part as `<|vision_start|><|image_pad|><|vision_end|>` before the question, the
 pad expanded to the image's token count, and the answer, e.g. "two red circles.", then <|im_end|>.
 
-transformers' `Qwen3_5ForConditionalGeneration` is the training and evaluation model (test/tool dependency; the
-serving engine is not used here). fla is blocked before transformers is imported.
+transformers' `Qwen3_5ForConditionalGeneration` is the training model (test/tool dependency); --engine-eval runs
+held-out pictures through our engine (engine.spec, K=3). fla is blocked before transformers is imported.
 
-    python tools/train_demo_vision.py --out /tmp/demo-vl --minutes 22            # train + evaluate, write a copy
-    python tools/train_demo_vision.py --out models/demo --minutes 22             # ... in place
-    python tools/train_demo_vision.py --eval-only models/demo --n-eval 400       # held-out accuracy only
+    python tools/train_demo_vision.py --out /tmp/demo-vl --minutes 22            # train the tower + evaluate
+    python tools/train_demo_vision.py --eval-only /tmp/demo-vl --n-eval 400      # held-out accuracy (transformers)
+    python tools/train_demo_vision.py --engine-eval /tmp/demo-vl --n-eval 200    # ... through our engine, + MTP
     python tools/train_demo_vision.py --text-cost models/demo /tmp/demo-vl   # text answers/MTP before vs after
     python tools/train_demo_vision.py --soft-bound 225      # the most any tower could do with the text model frozen
-    python tools/train_demo_vision.py --out /tmp/demo-vl --minutes 14 --unfreeze-lm 1e-3   # experiment: trains
-                                                            # the text model too (its weights change; not the demo)
+    python tools/train_demo_vision.py --out /tmp/demo-vl-lm --minutes 32 --unfreeze-lm 1e-3 --aux 0.5  # trains the
+                                                            # text model too (its weights change; not the demo)
+    python tools/train_demo_vision.py --mtp-only /tmp/demo-vl-lm --out /tmp/demo-vl --mtp-minutes 6   # refit mtp.*
 
 Writes into --out: config.json in the VL layout (model_type qwen3_5, text_config = the text fields, vision_config,
 the vision token ids, M-RoPE sections), model.safetensors (text tensors under HF's VL names
@@ -57,6 +58,7 @@ VISION_CONFIG = {"model_type": "qwen3_5_vision", "depth": 2, "hidden_size": 128,
                  "spatial_merge_size": 2, "num_position_embeddings": 64, "hidden_act": "gelu_pytorch_tanh",
                  "initializer_range": 0.02}
 MROPE_SECTION = [2, 1, 1]  # sums to rotary_dim / 2 = 32 * 0.25 / 2 = 4; interleaved (T H W T) as Qwen3.5's
+AUX_WEIGHTS = (2.0, 1.0, 1.0)  # the probe loss' weights on count, colour, shape: counting is the hardest to learn
 TEXT_PREFIX, VL_PREFIX = "model.", "model.language_model."
 
 
@@ -84,8 +86,8 @@ def vl_config(tc: dict, tok: Tokenizer, vision: dict) -> dict:
 
 
 def preprocessor_config() -> dict:
-    """preprocessor_config.json: Qwen3.5's image processor with min/max pixels = demo_pictures' 64^2 .. 128^2 (any
-    image is resized into 4..16 image tokens)."""
+    """preprocessor_config.json: Qwen3.5's image processor with min/max pixels = demo_pictures' MIN_SIDE^2 ..
+    MAX_SIDE^2 (any image is resized into 16..36 image tokens)."""
     return {"size": {"shortest_edge": pics.MIN_SIDE ** 2, "longest_edge": pics.MAX_SIDE ** 2},
             "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
             "image_std": [0.5, 0.5, 0.5], "rescale_factor": 1 / 255, "resample": 3, "do_resize": True,
@@ -193,13 +195,26 @@ def load_hf(model_dir: Path):
     return Qwen3_5ForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32)
 
 
+def _apply(opt: torch.optim.Optimizer, loss: torch.Tensor, clip: list[torch.Tensor], losses: list[float], what: str,
+           note: str) -> None:
+    """One optimiser step on `loss` (the gradient of `clip` clipped to norm 1.0), its value appended to `losses`;
+    every 25th prints `what`, the mean of the last 25 losses and `note`."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(clip, 1.0)
+    opt.step()
+    losses.append(loss.item())
+    if len(losses) % 25 == 0:
+        print(f"{what} loss {sum(losses[-25:]) / 25:.4f} {note}", flush=True)
+
+
 def train(model, data: Prompts, *, seed: int, minutes: float, max_steps: int, batch: int, lr: float,
           lm_lr: float = 0.0, text_rows: int = 4, aux: float = 0.0) -> list[float]:
     """AdamW on model.visual (the language model frozen unless lm_lr > 0), cosine schedule over the wall-clock
     budget. lm_lr > 0 (an experiment: it changes the text weights) also trains the language model, each step
     adding the demo corpus' text loss on `text_rows` rows of 128 tokens so the text skills are kept. aux > 0 adds
-    a probe loss (weight aux): linear heads on each image's mean and max embedding predict count, colour and shape
-    (the probe is discarded; it only speeds up the tower's learning)."""
+    a probe loss (weight aux, times AUX_WEIGHTS per attribute): linear heads on each image's mean and max embedding
+    predict count, colour and shape (the probe is discarded; it only speeds up the tower's learning)."""
     for p in model.parameters():
         p.requires_grad_(False)
     params = list(model.model.visual.parameters())
@@ -241,20 +256,14 @@ def train(model, data: Prompts, *, seed: int, minutes: float, max_steps: int, ba
             pooled = torch.stack([torch.cat([f.mean(0), f.amax(0)]) for f in feats])  # [B, 2 * hidden]
             logits = probe(pooled).split([len(pics.COUNTS), len(pics.COLOURS), len(pics.SHAPES)], dim=-1)
             want = torch.tensor([e["attrs"] for e in exs])  # [B, 3]
-            loss = loss + aux * sum(F.cross_entropy(lg, want[:, i]) for i, lg in enumerate(logits))
+            loss = loss + aux * sum(wt * F.cross_entropy(lg, want[:, i])
+                                    for i, (wt, lg) in enumerate(zip(AUX_WEIGHTS, logits)))
         if text is not None:
             ids, w = text.batch(text_rows)  # [R, 128] each
             logits = model(input_ids=ids[:, :-1]).logits  # [R, 127, V]
             loss = loss + masked_ce(logits, ids[:, 1:], w[:, 1:])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        losses.append(loss.item())
+        _apply(opt, loss, params, losses, f"step {step + 1}", f"lr {lr * scale:.2e} {time.time() - t0:.0f}s")
         step += 1
-        if step % 25 == 0:
-            print(f"step {step} loss {sum(losses[-25:]) / 25:.4f} lr {lr * scale:.2e} {time.time() - t0:.0f}s",
-                  flush=True)
     model.eval()
     return losses
 
@@ -265,26 +274,129 @@ def evaluate(model, data: Prompts, n: int, question: str = "What is in this pict
     """Greedy answers (transformers' generate) for n held-out pictures: exact-match and per-attribute accuracy."""
     model.eval()
     hits = {"exact": 0, "count": 0, "colour": 0, "shape": 0}
-    wrong = []
+    wrong: list = []
     for seed in pics.split("heldout", n):
         p = pics.picture(seed)
         prep = images.preprocess(p.image, data.icfg)
-        ids = images.expand_image_pads(data.prompt(question, True, thinking), [prep.n_tokens],
-                                       data.icfg.image_token_id)
+        ids = _picture_prompt(data, prep.n_tokens, question, thinking)
         t = torch.tensor([ids])
         out = model.generate(input_ids=t, mm_token_type_ids=(t == data.icfg.image_token_id).int(),
                              pixel_values=prep.pixel_rows, image_grid_thw=torch.tensor([prep.grid_thw]),
                              max_new_tokens=16, do_sample=False, eos_token_id=data.end[0], pad_token_id=data.end[0])
-        text = data.tok.decode(out[0, len(ids):].tolist())
-        got = text.split("</think>")[-1].replace("<|im_end|>", "").strip()
-        want = pics.answer_fields(p.answer)
-        have = pics.answer_fields(got) or ("", "", "")
-        hits["exact"] += got == p.answer
-        for i, key in enumerate(("count", "colour", "shape")):
-            hits[key] += have[i] == want[i]
-        if got != p.answer and len(wrong) < 8:
-            wrong.append((seed, p.answer, got))
+        _score(hits, wrong, seed, p, data.tok.decode(out[0, len(ids):].tolist()))
     return {"n": n, **{k: v / n for k, v in hits.items()}, "wrong": wrong}
+
+
+def _picture_prompt(data: Prompts, n_tokens: int, question: str, thinking: bool | None) -> list[int]:
+    """An evaluation prompt: the image (n_tokens pads) first, then the question."""
+    return images.expand_image_pads(data.prompt(question, True, thinking), [n_tokens], data.icfg.image_token_id)
+
+
+def _score(hits: dict, wrong: list, seed: int, p: pics.Picture, text: str) -> None:
+    """Add one answer to the exact/count/colour/shape tallies (and to `wrong`, the first 8 misses)."""
+    got = text.split("</think>")[-1].replace("<|im_end|>", "").strip()
+    want = pics.answer_fields(p.answer)
+    have = pics.answer_fields(got) or ("", "", "")
+    hits["exact"] += got == p.answer
+    for i, key in enumerate(("count", "colour", "shape")):
+        hits[key] += have[i] == want[i]
+    if got != p.answer and len(wrong) < 8:
+        wrong.append((seed, p.answer, got))
+
+
+def engine_eval(model_dir: Path, n: int, k: int = 3, question: str = "What is in this picture?") -> dict:
+    """n held-out pictures through OUR engine: `engine.spec.generate_spec` at K=k, greedy, the image as the server
+    hands it (`images.prepare_input`). Returns exact-match and per-attribute accuracy and the MTP tokens per verify
+    round over all the image prompts (accepted + rounds) / rounds."""
+    from engine.loader import load_model
+    from engine.session import SpecTelemetry
+    from engine.spec import generate_spec
+
+    model, data = load_model(model_dir), Prompts(model_dir)
+    hits = {"exact": 0, "count": 0, "colour": 0, "shape": 0}
+    wrong: list = []
+    telem = SpecTelemetry()
+    for seed in pics.split("heldout", n):
+        p = pics.picture(seed)
+        inp = images.prepare_input(p.image, model.image_config)
+        ids = _picture_prompt(data, inp.n_tokens, question, None)
+        out, tel = generate_spec(model, ids, 16, k=k, eos_ids=data.tok.eos_token_ids, images=[inp])
+        telem.merge(tel)
+        _score(hits, wrong, seed, p, data.tok.decode(out))
+    tpr = (telem.accepted + telem.rounds) / max(1, telem.rounds)
+    return {"n": n, **{key: v / n for key, v in hits.items()}, "mtp_tokens_per_round": round(tpr, 3),
+            "wrong": wrong}
+
+
+def mtp_refit(src: Path, out: Path, *, seed: int, minutes: float, max_steps: int, batch: int, lr: float,
+              text_rows: int = 4) -> list[float]:
+    """Refit the MTP head (`mtp.*` only; trunk and tower frozen) to the trunk of `src`: each step, `batch` picture
+    chats and `text_rows` demo-corpus rows of 128 tokens; the trunk (transformers) gives its post-norm hiddens and
+    its greedy tokens, and the head (our engine's `model.mtp`, fed as the engine feeds it: embedding of token i+1,
+    image embeddings at the pads, trunk hidden of row i, M-RoPE rows of the prompt) learns to predict the trunk's
+    greedy token at i+2 on the rows that decode (completion rows of the pictures, answer rows of the corpus). AdamW,
+    cosine over the wall-clock budget. Writes `src` with the new `mtp.*` tensors into `out`; returns the losses."""
+    from engine.loader import load_model
+    from tools.demo_corpus import build_corpus
+    from tools.train_demo import RowStream
+
+    hf, data, ours = load_hf(src), Prompts(src), load_model(src)
+    hf.eval()
+    for p in hf.parameters():
+        p.requires_grad_(False)
+    params = [p for n, p in ours.named_parameters() if n.startswith("mtp.")]
+    for n_, p in ours.named_parameters():
+        p.requires_grad_(n_.startswith("mtp."))
+    ours.train()
+    cfg, icfg = ours.config, data.icfg
+    text = RowStream(build_corpus(), data.tok, 128, seed + 1)
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
+    rng = random.Random(seed)
+    t0, losses, step, warm = time.time(), [], 0, 20
+    while step < max_steps:
+        frac = max(step / max_steps, (time.time() - t0) / (minutes * 60))
+        if frac >= 1:
+            break
+        for g in opt.param_groups:
+            g["lr"] = lr * min(1.0, (step + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        exs = [data.example(rng.randrange(pics.HELDOUT_SEED), rng) for _ in range(batch)]
+        b = collate(exs, data.tok.pad_token_id or 0, icfg.image_token_id)
+        ids, labels = b["input_ids"], b["labels"]  # [B, T] each
+        tids, tw = text.batch(text_rows)  # [R, 128] each
+        with torch.no_grad():
+            post = hf.model(input_ids=ids, pixel_values=b["pixel_values"], image_grid_thw=b["image_grid_thw"],
+                            mm_token_type_ids=b["mm_token_type_ids"]).last_hidden_state  # [B, T, H]
+            feats = torch.cat(list(hf.model.get_image_features(b["pixel_values"], b["image_grid_thw"]).pooler_output))
+            greedy = hf.lm_head(post).argmax(-1)  # [B, T]
+            tpost = hf.model(input_ids=tids).last_hidden_state  # [R, 128, H]
+            tgreedy = hf.lm_head(tpost).argmax(-1)  # [R, 128]
+        emb = ours.model.embed_tokens(ids).detach().clone()  # [B, T, H]
+        emb[ids == icfg.image_token_id] = feats
+        rows = []
+        for r in range(ids.shape[0]):
+            pos, _ = images.mrope_positions(ids[r].tolist(), [exs[r]["grid"]], icfg)  # [3, T]
+            rows.append(images.mrope_cos_sin(pos, cfg.rotary_dim, cfg.rope_theta, icfg.mrope_section, emb.dtype))
+        cos, sin = torch.stack([c for c, _ in rows]), torch.stack([s_ for _, s_ in rows])  # [B, T, R] each
+        h = ours.mtp(emb[:, 1:], post[:, :-1], None, None, (cos[:, :-1], sin[:, :-1]))  # [B, T-1, H]
+        keep = labels[:, 1:] != -100  # [B, T-1]: row i drafts token i+2 after completion token i+1
+        loss = F.cross_entropy(ours.logits(h[keep]), greedy[:, 1:][keep])
+        th = ours.mtp_forward(tids[:, 1:], tpost[:, :-1])  # [R, 127, H]
+        tkeep = tw[:, 1:] > 0  # [R, 127]
+        loss = loss + F.cross_entropy(ours.logits(th[tkeep]), tgreedy[:, 1:][tkeep])
+        _apply(opt, loss, params, losses, f"mtp step {step + 1}", f"{time.time() - t0:.0f}s")
+        step += 1
+    sd = load_file(str(src / "model.safetensors"))
+    new = {n_: p.detach().contiguous().clone() for n_, p in ours.named_parameters() if n_.startswith("mtp.")}
+    if not set(new) <= set(sd):
+        raise SystemExit(f"MTP tensors the checkpoint lacks: {sorted(set(new) - set(sd))[:4]}")
+    sd.update(new)
+    out.mkdir(parents=True, exist_ok=True)
+    if src.resolve() != out.resolve():
+        for f in src.iterdir():
+            if f.is_file() and f.name != "model.safetensors":
+                shutil.copy(f, out / f.name)
+    save_file(dict(sorted(sd.items())), str(out / "model.safetensors"), metadata={"format": "pt"})
+    return losses
 
 
 def soft_bound(model, data: Prompts, steps: int, n: int = 8, tokens: int = 16, lr: float = 0.03) -> dict:
@@ -364,6 +476,12 @@ def main() -> None:
                     help="compare two demo checkpoints' text answers and MTP tokens/round, and exit")
     ap.add_argument("--soft-bound", type=int, default=0, metavar="STEPS",
                     help="measure the frozen-LM upper bound (free image embeddings, no tower) for STEPS and exit")
+    ap.add_argument("--engine-eval", metavar="DIR",
+                    help="held-out accuracy and MTP tokens/round on image prompts through our engine (K=3), and exit")
+    ap.add_argument("--mtp-only", metavar="SRC",
+                    help="refit SRC's MTP head to its trunk for --mtp-minutes, write the result to --out, and exit")
+    ap.add_argument("--mtp-minutes", type=float, default=8.0)
+    ap.add_argument("--mtp-lr", type=float, default=1e-3)
     ap.add_argument("--unfreeze-lm", type=float, default=0.0, metavar="LR",
                     help="experiment: also train the language model at this learning rate (changes text weights)")
     args = ap.parse_args()
@@ -371,6 +489,18 @@ def main() -> None:
     if args.eval_only:
         d = Path(args.eval_only)
         print(json.dumps(evaluate(load_hf(d), Prompts(d), args.n_eval)))
+        return
+    if args.engine_eval:
+        print(json.dumps(engine_eval(Path(args.engine_eval), args.n_eval)))
+        return
+    if args.mtp_only:
+        if not args.out:
+            ap.error("--mtp-only needs --out")
+        torch.manual_seed(args.seed)
+        losses = mtp_refit(Path(args.mtp_only), Path(args.out), seed=args.seed, minutes=args.mtp_minutes,
+                           max_steps=args.max_steps, batch=args.batch, lr=args.mtp_lr)
+        tail = losses[-25:]
+        print(json.dumps({"mtp_steps": len(losses), "final_loss": round(sum(tail) / max(1, len(tail)), 4)}))
         return
     if args.text_cost:
         print(json.dumps(text_cost(Path(args.text_cost[0]), Path(args.text_cost[1]))))

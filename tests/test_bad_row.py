@@ -312,7 +312,8 @@ class CuedServerSession(SpecSession):
 
 @pytest.fixture(scope="module")
 def server():
-    with ServerThread(worker_kw={"session_factory": CuedServerSession}, max_num_seqs=6) as s:
+    # fixed K: the cue fires in draft_allowed, which a row the K controller set to 0 would not call
+    with ServerThread(worker_kw={"session_factory": CuedServerSession}, max_num_seqs=6, spec_adaptive=False) as s:
         SERVER_STATE["worker"] = s.worker
         yield s
 

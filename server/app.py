@@ -17,6 +17,7 @@ event loop; an exception that escapes every handler becomes a 500 logged without
 from __future__ import annotations
 
 import asyncio
+import json
 import importlib.metadata
 import logging
 import secrets
@@ -469,7 +470,9 @@ async def health(raw: Request) -> JSONResponse:
 @ops.get("/ping", summary="SageMaker's health check (vLLM): as /health", responses=_HEALTH_DOCS)
 @ops.post("/ping", summary="SageMaker's health check (vLLM): as /health", responses=_HEALTH_DOCS)
 async def ping(raw: Request) -> JSONResponse:
-    return await health(raw)
+    r = await health(raw)
+    body = {k: v for k, v in json.loads(r.body).items() if k in ("status", "reason")}  # the verdict, not the detail
+    return JSONResponse(body, status_code=r.status_code)
 
 
 @ops.get("/load", summary="Server load (vLLM): generation requests in flight")

@@ -215,7 +215,8 @@ def _gathered(srv: ServerThread, monkeypatch: pytest.MonkeyPatch, n: int) -> lis
                          ids=["in-process", "engine-process"])
 def test_requests_that_arrive_together_reach_the_engine_together(monkeypatch, engine_process):
     n = 4  # under the event loop's default thread pool on a 2-core box (6 threads): every parse reaches the barrier
-    with ServerThread(engine_process=engine_process) as srv:
+    # fixed K: with the K controller a row's drafts (in its usage) follow the batch it ran in
+    with ServerThread(engine_process=engine_process, spec_adaptive=False) as srv:
         worker = srv.worker
         assert isinstance(worker, EngineProcess) == engine_process
         groups: list[int] = []

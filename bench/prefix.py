@@ -82,10 +82,13 @@ FOLLOW_UPS = ["Thanks. How much would that cost?", "Is it in stock in the city s
 
 
 def system_prompt(tokens: int, count) -> str:
-    """The shared system prompt: the tool definitions and the store's policies, then one paragraph per store until
-    `count(text)` (the model's tokenizer) reaches `tokens`."""
-    out = ("You are the assistant of a hardware store. You can call these tools:\n"
-           + "\n".join(json.dumps(t) for t in TOOLS) + "\n" + POLICY)
+    """The shared system prompt: the tool definitions (as many as fit) and the store's policies, then one paragraph
+    per store until `count(text)` (the model's tokenizer) reaches `tokens`."""
+    head = "You are the assistant of a hardware store. You can call these tools:\n"
+    tools = [json.dumps(t) for t in TOOLS]
+    while len(tools) > 1 and count(head + "\n".join(tools) + "\n" + POLICY) > tokens:
+        tools.pop()
+    out = head + "\n".join(tools) + "\n" + POLICY
     i = 0
     while count(out) < tokens:
         i += 1
@@ -144,13 +147,13 @@ def _metric(url: str, name: str) -> float:
     return 0.0
 
 
-def _chat(url: str, model: str, messages: list[dict], max_tokens: int) -> tuple[Turn, str]:
+def _chat(client: httpx.Client, url: str, model: str, messages: list[dict], max_tokens: int) -> tuple[Turn, str]:
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, "chat_template_kwargs": {"enable_thinking": False},
             "ignore_eos": True}
     t0 = time.perf_counter()
     ttft, text, usage = None, [], None
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=3600) as r:
+    with client.stream("POST", url + "/v1/chat/completions", json=body, timeout=3600) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {r.read().decode()[:300]}")
         for line in r.iter_lines():
@@ -175,10 +178,12 @@ def run_workload(url: str, model: str, system: str, conversations: int, turns: i
 
     def one(c: int) -> None:
         msgs = [{"role": "system", "content": system}]
+        client = httpx.Client()  # one connection per conversation, as an SDK client keeps (a new httpx client costs
+        # ~20 ms to set up, which would count in every turn's time to first token)
         for t in range(turns):
             msgs.append({"role": "user", "content": QUESTIONS[c % len(QUESTIONS)] if t == 0
                          else FOLLOW_UPS[(t - 1) % len(FOLLOW_UPS)]})
-            turn, text = _chat(url, model, msgs, max_tokens)
+            turn, text = _chat(client, url, model, msgs, max_tokens)
             w.turns[c].append(turn)
             msgs.append({"role": "assistant", "content": text})
 

@@ -251,6 +251,31 @@ class MtpScratch:
 PREFILL_GRID = 256
 
 
+#: The finer grid a request's prompt end and generation end keep their state on (a divisor of PREFILL_GRID): the
+#: prefix cache keeps a "tail" there, the first t positions of a grid block (t a multiple of TAIL_GRID), so a
+#: conversation's next turn resumes within a few tokens of where the previous one stopped instead of up to 255. Tails
+#: are kept where a forward that stops at any position computes the bits of one that runs on (the C path), so the grid
+#: is only the index's granularity; on the kernel path it would have to be the GDN chunk (64), where chunks restart.
+TAIL_GRID = 16
+#: A prompt's tail is taken at least this many tokens before its end: a chat template's generation prompt
+#: (Qwen3.5's `<|im_start|>assistant\n<think>\n\n</think>\n\n`: the 4 tokens after `assistant\n`) ends the
+#: prompt, and the next turn renders that place otherwise.
+TAIL_MARGIN = 8
+
+
+def _block_hash(prev: bytes, tokens: list[int], lo: int, hi: int, images: Sequence[tuple[int, int, str]],
+                tail: bool = False) -> bytes:
+    h = hashlib.blake2b(prev, digest_size=16)
+    h.update(array.array("q", tokens[lo:hi]).tobytes())
+    for start, count, digest in images:
+        a, b = max(start, lo), min(start + count, hi)
+        if a < b:
+            h.update(f"|image {digest} {a - start} {b - a}".encode())
+    if tail:
+        h.update(f"|tail {hi - lo}".encode())
+    return h.digest()
+
+
 def block_keys(tokens: list[int], n: int, root: bytes, prev: list[bytes] | None = None,
                images: Sequence[tuple[int, int, str]] = ()) -> list[bytes]:
     """The hash-chain keys of the first n grid blocks of `tokens`: key_b = H(key_{b-1} | block b's token ids |
@@ -262,14 +287,16 @@ def block_keys(tokens: list[int], n: int, root: bytes, prev: list[bytes] | None 
     keys = list(prev or [])
     G = PREFILL_GRID
     for b in range(len(keys), n):
-        h = hashlib.blake2b(keys[-1] if keys else root, digest_size=16)
-        h.update(array.array("q", tokens[b * G:(b + 1) * G]).tobytes())
-        for start, count, digest in images:
-            lo, hi = max(start, b * G), min(start + count, (b + 1) * G)
-            if lo < hi:
-                h.update(f"|image {digest} {lo - start} {hi - lo}".encode())
-        keys.append(h.digest())
+        keys.append(_block_hash(keys[-1] if keys else root, tokens, b * G, (b + 1) * G, images))
     return keys
+
+
+def tail_key(tokens: list[int], b: int, t: int, root: bytes, keys: list[bytes],
+             images: Sequence[tuple[int, int, str]] = ()) -> bytes:
+    """The key of the tail of grid block b that holds its first t positions (0 < t < PREFILL_GRID, a multiple of
+    TAIL_GRID): H(key_{b-1} | those token ids | their images | "tail" t), never equal to a whole block's key. keys:
+    `block_keys` of at least the first b blocks."""
+    return _block_hash(keys[b - 1] if b else root, tokens, b * PREFILL_GRID, b * PREFILL_GRID + t, images, True)
 
 
 @dataclass
@@ -291,8 +318,8 @@ class _Entry:
     bid: int  # arena block id
     parent: bytes | None  # the previous block's key (None: the first block)
     parent_bid: int | None  # the previous block's arena id (a hit follows these links)
-    tokens: tuple[int, ...]  # this block's token ids (compared on every hit)
-    children: int = 0  # cached blocks whose parent this is (only leaves are evicted)
+    tokens: tuple[int, ...]  # this block's token ids (compared on every hit; a tail's first t)
+    children: int = 0  # cached blocks and tails whose parent this is (only leaves are evicted)
 
 
 class PrefixCache:
@@ -302,6 +329,12 @@ class PrefixCache:
     K/V rows bG-1 .. B-2 (rows whose next token lies inside the block) and the trunk's pre-norm hidden of position
     B-1 (the carrier of MTP row B-1, whose next token is the resuming prompt's). Resuming copies those into the
     session's pool slot (`restore`); nothing is shared by reference, so a session never holds a block.
+
+    Tails: the same for the first t positions of a block (t a multiple of TAIL_GRID below G: the state at bG + t),
+    keyed by `tail_key` under the chain of the blocks before it and kept as a leaf of that chain (`insert_tail`,
+    `lookup_tail`). The scheduler keeps them where a forward that stops at any position computes the bits one that
+    runs on does (the C path: `engine.prefill.steps_match_prefill`), at the end of a request's prompt and of its
+    generated tokens, so a conversation's next turn resumes within TAIL_GRID - 1 tokens of the previous turn.
 
     What a key collision can do: a key is a 128-bit hash, and the index holds at most one block per key, so two
     sequences whose keys collide cannot both be cached (the second is not inserted). It cannot return state computed
@@ -419,31 +452,51 @@ class PrefixCache:
             parent = keys[b]
         return ids
 
+    def lookup_tail(self, tokens: list[int], keys: list[bytes], ids: list[int],
+                    images: Sequence[tuple[int, int, str]] = ()) -> tuple[int, int] | None:
+        """The longest cached tail of grid block n = len(ids) of `tokens` (ids: `lookup`'s chain of blocks 0..n-1,
+        keys: their `block_keys`), leaving at least one token to prefill, as (arena id, t); None if none. Verified as
+        a chain's blocks are (its tokens, its parent's key and id); touches it and its chain."""
+        n, G = len(ids), PREFILL_GRID
+        for t in range(G - TAIL_GRID, 0, -TAIL_GRID):
+            if n * G + t > len(tokens) - 1:
+                continue
+            key = tail_key(tokens, n, t, self.root, keys, images)
+            e = self._index.get(key)
+            if e is None or e.parent != (keys[n - 1] if n else None) or e.parent_bid != (ids[-1] if ids else None) \
+                    or e.tokens != tuple(tokens[n * G:n * G + t]):
+                continue
+            self._touch(key)
+            return e.bid, t
+        return None
+
     def restore(self, ids: list[int], slot: int, window_slot: int, mtp_slot: int | None,
-                first: int = 0) -> torch.Tensor:
+                first: int = 0, tail: tuple[int, int] | None = None) -> torch.Tensor:
         """Copy the chain `ids` (from `lookup`) into pool slot `slot`: K/V rows 0..nG-1, the GDN state at nG into
         window slot `window_slot`, and (mtp_slot not None) the MTP head's K/V rows 0..nG-2 into that MTP slot;
-        `first` > 0: the slot holds blocks 0..first-1 already (their rows are not copied again). Returns the
-        pre-norm hidden of position nG-1 [H]."""
+        `first` > 0: the slot holds blocks 0..first-1 already (their rows are not copied again). tail: (id, t) from
+        `lookup_tail`: then block n's first t rows too, and the state at nG + t. Returns the pre-norm hidden of the
+        last position restored [H]."""
         G, pool = PREFILL_GRID, self.pool
-        for b, bid in enumerate(ids):
-            if b < first:
+        blocks = [(b, bid, G) for b, bid in enumerate(ids)] + ([(len(ids), tail[0], tail[1])] if tail else [])
+        for b, bid, t in blocks:
+            if b < first and t == G:
                 continue
             parts = self._parts(bid)
             i = 0
             for c in pool.layers:
                 if isinstance(c, KVPool):
-                    c.k[slot, b * G:(b + 1) * G] = parts[i]
-                    c.v[slot, b * G:(b + 1) * G] = parts[i + 1]
-                elif b == len(ids) - 1:
+                    c.k[slot, b * G:b * G + t] = parts[i][:t]
+                    c.v[slot, b * G:b * G + t] = parts[i + 1][:t]
+                elif b == blocks[-1][0]:
                     c.conv[slot, window_slot] = parts[i]
                     c.rec[slot, window_slot] = parts[i + 1]
                 i += 2
             if mtp_slot is not None:
                 j = 1 if b == 0 else 0
-                pool.mtp.k[mtp_slot, b * G - 1 + j:(b + 1) * G - 1] = parts[i][j:]
-                pool.mtp.v[mtp_slot, b * G - 1 + j:(b + 1) * G - 1] = parts[i + 1][j:]
-        return self._parts(ids[-1])[-1].clone()  # [H]
+                pool.mtp.k[mtp_slot, b * G - 1 + j:b * G + t - 1] = parts[i][j:t]
+                pool.mtp.v[mtp_slot, b * G - 1 + j:b * G + t - 1] = parts[i + 1][j:t]
+        return self._parts(blocks[-1][1])[-1].clone()  # [H]
 
     def reserve(self) -> int | None:
         """A block id held outside the index (a block whose GDN state is captured before the rest is ready:
@@ -454,9 +507,11 @@ class PrefixCache:
         return bid
 
     def release(self, bid: int) -> None:
-        """Give back a reserved id that will not be inserted."""
-        self._reserved.discard(bid)
-        self._free.append(bid)
+        """Give back a reserved id that will not be inserted (a no-op for an id no longer reserved: inserted or given
+        back already)."""
+        if bid in self._reserved:
+            self._reserved.discard(bid)
+            self._free.append(bid)
 
     def capture_state(self, bid: int, slot: int, window_slot: int, pre_last: torch.Tensor) -> None:
         """Copy the GDN states in window slot `window_slot` of pool slot `slot` and the carrier `pre_last` [H] into
@@ -520,6 +575,46 @@ class PrefixCache:
             raise
         self._index[key] = _Entry(bid, parent, self._index[parent].bid if parent is not None else None,
                                   tuple(tokens[b * G:(b + 1) * G]))
+        if parent is not None:
+            self._index[parent].children += 1
+        self._touch(key)
+        self._count()
+        return True
+
+    def insert_tail(self, keys: list[bytes], tokens: list[int], b: int, t: int, slot: int, mtp_slot: int | None,
+                    bid: int, images: Sequence[tuple[int, int, str]] = ()) -> bool:
+        """Cache the tail of block b that holds its first t positions (a multiple of TAIL_GRID below G) of a session
+        in pool slot `slot` whose sequence starts with `tokens` (at least bG + t) and whose chain keys are `keys` (at
+        least b): K/V rows bG..bG+t-1 and (mtp_slot not None) MTP rows bG-1..bG+t-2 from the pool; the GDN state at
+        bG + t and its carrier were captured into the reserved `bid` (`capture_state`). Not inserted (and `bid`
+        released) when that tail is cached already or the index does not hold the chain of blocks 0..b-1 as `tokens`'
+        own. Returns whether it was inserted."""
+        G, pool = PREFILL_GRID, self.pool
+        try:  # whatever raises gives the reserved block back: it is neither indexed nor lost
+            if not (0 < t < G and t % TAIL_GRID == 0):
+                raise ValueError(f"a tail holds a multiple of {TAIL_GRID} positions below {G}, not {t}")
+            key = tail_key(tokens, b, t, self.root, keys, images)
+            ids = self._chain(tokens, keys, b)
+            if key in self._index or len(ids) < b or (mtp_slot is None) == self.mtp:
+                self.release(bid)
+                self._touch(key if key in self._index else None)
+                return False
+            parts, i = self._parts(bid), 0
+            for c in pool.layers:
+                if isinstance(c, KVPool):
+                    parts[i][:t].copy_(c.k[slot, b * G:b * G + t])  # [t, nkv, hd]
+                    parts[i + 1][:t].copy_(c.v[slot, b * G:b * G + t])  # [t, nkv, hd]
+                i += 2
+            if mtp_slot is not None:
+                j = 1 if b == 0 else 0
+                parts[i][j:t] = pool.mtp.k[mtp_slot, b * G - 1 + j:b * G + t - 1]  # [t - j, nkv, hd]
+                parts[i + 1][j:t] = pool.mtp.v[mtp_slot, b * G - 1 + j:b * G + t - 1]  # [t - j, nkv, hd]
+        except BaseException:
+            self.release(bid)
+            raise
+        self._reserved.discard(bid)
+        parent = keys[b - 1] if b else None
+        self._index[key] = _Entry(bid, parent, ids[-1] if ids else None, tuple(tokens[b * G:b * G + t]))
         if parent is not None:
             self._index[parent].children += 1
         self._touch(key)

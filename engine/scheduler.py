@@ -20,7 +20,11 @@ whose forward reached the boundary (its state live, or kept in a spare window sl
 where decode steps reach the states a prefill does (`engine.prefill.steps_match_prefill`), after the round whose
 commit crossed it (the GDN state is captured at once from its recorded window slot, the rest once the
 MTP head has written the block's rows). A hit gives the same bits as a miss: the blocks are those a prefill of the
-same tokens computes.
+same tokens computes. There too (a forward that stops anywhere computes what one that runs on does), every session
+keeps two tails (`PrefixCache.insert_tail`: a block's first positions, up to a multiple of TAIL_GRID): at its prompt's last
+TAIL_GRID boundary TAIL_MARGIN tokens or more before its end (the block holding it stops there first:
+`SessionState.block_len`) and at the last one its generated tokens crossed (written when it finishes), so the next
+turn of a conversation resumes within TAIL_GRID + TAIL_MARGIN - 1 tokens of where the two turns part.
 
 On CUDA (with triton) the round's forwards replay CUDA graphs (engine/graphs.py `GraphRunner`): the scheduler
 picks the batch-size buckets (`graph_buckets(max_num_seqs)`) and reserves the scratch pool slots that bucket
@@ -36,7 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache import PREFILL_GRID, GdnPool, PrefixCache, PrefixCacheStats, StatePool, block_keys, pool_bytes
+from .cache import PREFILL_GRID, TAIL_GRID, GdnPool, PrefixCache, PrefixCacheStats, StatePool, block_keys, pool_bytes
 from .encoder import ImageEncoder, image_patches
 from .graphs import EAGER, GraphRunner, StepRunner, graph_buckets, padding_rows
 from .images import VisionStats
@@ -104,6 +108,9 @@ class _Writes:
     keys: list[bytes] = field(default_factory=list)
     next: int = 0
     pending: list[tuple[int, int]] = field(default_factory=list)
+    #: tails captured, not written yet ((boundary position, reserved id)): the prompt's end, the generation's end
+    tail: tuple[int, int] | None = None
+    gen_tail: tuple[int, int] | None = None
 
 
 class Scheduler:
@@ -173,6 +180,7 @@ class Scheduler:
             identity = f"{cfg!r}|{cfg.dtype}|{device}|{'row-wise' if self.packs else 'per-row'}|{id(model)}"
             self.cache = PrefixCache(self.pool, prefix_cache_bytes, identity)
             self._decode_blocks = steps_match_prefill(model)
+        self._tails = self._decode_blocks  # tails need a block that splits anywhere with the same bits
         #: the speculation controller (None: fixed K); `spec_k_counts[k]`: rounds x rows that drafted k
         self.policy: KPolicy | None = None
         self.spec_k_counts = [0] * (self.k + 1)
@@ -254,7 +262,8 @@ class Scheduler:
         pc = self.cache
         cache = (f"prefix cache: up to {pc.capacity} blocks of {PREFILL_GRID} tokens "
                  f"({pc.stats.capacity_bytes / 2**20:.1f} MiB, {pc.block_bytes / 2**20:.2f} MiB a block; generated "
-                 f"tokens' blocks {'kept' if self._decode_blocks else 'not kept: decode steps round differently'})"
+                 f"tokens' blocks {'kept' if self._decode_blocks else 'not kept: decode steps round differently'}; "
+                 f"{f'tails on the {TAIL_GRID}-token grid' if self._tails else 'no tails'})"
                  if pc is not None else "prefix cache: off")
         return (f"state pool: {p.slots} slots x {p.capacity} positions, {p.window} GDN state slots each: "
                 f"KV {mib['kv']:.1f} MiB, GDN {mib['gdn']:.1f} MiB, MTP {mib['mtp']:.1f} MiB "
@@ -291,6 +300,7 @@ class Scheduler:
                                            images=sess.image_keys)
             if sess.k > 0 or self.pool.mtp is None:  # a plain session in an MTP pool writes no MTP rows
                 self._writes[sess] = _Writes(keys=list(self._pkeys[sess]))
+                sess.tail_cut = self._tails
             if sess.want_prompt_logprobs is None:  # prompt logprobs need every prompt row: no resume
                 self.cache.stats.queries += len(sess.prompt_ids)
                 self._readers.add(sess)
@@ -333,13 +343,16 @@ class Scheduler:
     def _resume_row(self, sess: SpecSession) -> None:
         pc, prompt = self.cache, sess.prompt_ids
         assert pc is not None
-        ids = pc.lookup(prompt, self._pkeys[sess])
-        have = sess.cached_tokens // PREFILL_GRID
-        if len(ids) <= have:
+        keys = self._pkeys[sess]
+        ids = pc.lookup(prompt, keys)
+        tail = pc.lookup_tail(prompt, keys, ids, sess.image_keys) if self._tails else None
+        n = len(ids) * PREFILL_GRID + (tail[1] if tail else 0)
+        if n <= sess.cached_tokens:
             return
-        carrier = pc.restore(ids, sess.slot, sess.cache.cur, sess.slot if sess.scratch is not None else None, have)
-        pc.stats.hits += (len(ids) - have) * PREFILL_GRID
-        sess.resume(len(ids) * PREFILL_GRID, carrier)
+        carrier = pc.restore(ids, sess.slot, sess.cache.cur, sess.slot if sess.scratch is not None else None,
+                             sess.cached_tokens // PREFILL_GRID, tail)
+        pc.stats.hits += n - sess.cached_tokens
+        sess.resume(n, carrier)
         w = self._writes.get(sess)
         if w is not None:
             w.next = len(ids)
@@ -363,6 +376,9 @@ class Scheduler:
         for s in rows:
             w = self._writer(s)
             L = s.cache.length
+            if w is not None and self._tails and L % TAIL_GRID == 0 and L % PREFILL_GRID and w.tail is None:
+                self._capture_tail(s, w, "tail", L, at.get(s, s.cache.cur), s.last_pre)
+                self._write_tails(s)
             if w is None or L % PREFILL_GRID or L // PREFILL_GRID <= w.next:
                 continue
             b = L // PREFILL_GRID - 1
@@ -374,6 +390,60 @@ class Scheduler:
                 self._row_failed(s, e, "writing a prefilled block")
                 continue
             w.next = b + 1
+
+    def _capture_tail(self, s: SpecSession, w: _Writes, which: str, B: int, window_slot: int,
+                      pre_last: torch.Tensor) -> None:
+        """Capture the GDN state at position B (off the prefill grid, on TAIL_GRID) from `window_slot` and its
+        carrier into `w`'s prompt-end (`which` "tail") or generation-end ("gen_tail") tail, reserving a block the
+        first time (none free: no tail). If that raises, `s` alone fails."""
+        pc = self.cache
+        assert pc is not None
+        old = getattr(w, which)
+        bid = old[1] if old is not None else None
+        try:
+            if bid is None:
+                bid = pc.reserve()
+                if bid is None:
+                    return
+            pc.capture_state(bid, s.slot, window_slot, pre_last)
+        except Exception as e:  # noqa: BLE001 - one session's capture fails that session only
+            if bid is not None:
+                pc.release(bid)
+            setattr(w, which, None)
+            self._row_failed(s, e, "capturing a tail")
+            return
+        setattr(w, which, (B, bid))
+
+    def _write_tails(self, s: SpecSession, final: bool = False) -> None:
+        """Write `s`'s captured tails whose MTP rows (up to the boundary - 2) are in the scratch: the prompt-end one
+        at once, the generation-end one only when `final` (the session finished; no later boundary replaces it). A
+        tail whose block was written whole meanwhile, or (final) whose rows never came, is given back. A write that
+        raises fails `s`, or (final: its answer is complete) is only logged."""
+        pc, w = self.cache, self._writes.get(s)
+        if pc is None or w is None:
+            return
+        for which in ("tail", "gen_tail"):
+            got = getattr(w, which)
+            if got is None or (which == "gen_tail" and not final):
+                continue
+            B, bid = got
+            b, t = divmod(B, PREFILL_GRID)
+            ready = s.error is None and (s.scratch is None or s.scratch.length >= B - 1)
+            if not ready and not final:
+                continue
+            setattr(w, which, None)
+            if not ready or b < w.next:
+                pc.release(bid)
+                continue
+            try:
+                pc.insert_tail(self._keys(s, w, b), s.committed, b, t, s.slot,
+                               s.slot if s.scratch is not None else None, bid, s.image_keys)
+            except Exception as e:  # noqa: BLE001 - one session's tail write fails that session only
+                pc.release(bid)  # (a no-op where the insert placed or gave it back)
+                if final:
+                    log.exception("writing a finished session's tail failed; it is not cached")
+                else:
+                    self._row_failed(s, e, "writing a tail")
 
     def _capture_decoded(self, rows: list[SpecSession], before: list[int]) -> None:
         """After a round (decode steps that reach prefill's states): for each grid boundary a row's commit crossed,
@@ -402,13 +472,17 @@ class Scheduler:
                     break
                 w.pending.append((b, bid))
                 w.next = b + 1
+            B = s.cache.length // TAIL_GRID * TAIL_GRID
+            if self._tails and s.error is None and B > n and B % PREFILL_GRID and B // PREFILL_GRID >= w.next:
+                # the verify forward's token t (position n + t) left its state in window slot t
+                self._capture_tail(s, w, "gen_tail", B, B - 1 - n, s.round_pre[B - 1 - n])
 
     def _finish_pending(self, rows: list[SpecSession]) -> None:
         """Write in full every captured block whose MTP rows (up to its boundary - 2) are now in the scratch."""
         pc = self.cache
         for s in rows:
             w = self._writes.get(s)
-            if w is None or not w.pending:
+            if w is None:
                 continue
             keep = []
             for b, bid in w.pending:
@@ -430,11 +504,12 @@ class Scheduler:
                 else:
                     keep.append((b, bid))
             w.pending = keep
+            self._write_tails(s)
 
     def _drop_writes(self, sess: SpecSession) -> None:
         w = self._writes.pop(sess, None)
         if w is not None:
-            for _, bid in w.pending:
+            for _, bid in w.pending + [t for t in (w.tail, w.gen_tail) if t is not None]:
                 self.cache.release(bid)
 
     # -- images --------------------------------------------------------------------------------------------------
@@ -502,7 +577,7 @@ class Scheduler:
                 coming.update(keys[b:])
             pos, left, n = s.cache.length, s.prefill_left, 0
             while left > 0:
-                c = min(left, PREFILL_GRID - pos % PREFILL_GRID)
+                c = s.block_len(pos, left)
                 first = not out and n == 0
                 if c > budget and not (first and (budget > 0 or not self.running)):
                     break
@@ -656,7 +731,8 @@ class Scheduler:
                 res.emitted.append((s, s.emitted[before_n:]))
         done = [s for s in self.running if s.finished]
         if done and self._decode_blocks:
-            ready = [s for s in done if s.error is None and self._writes.get(s) is not None and self._writes[s].pending]
+            ready = [s for s in done if s.error is None and (w := self._writes.get(s)) is not None
+                     and (w.pending or w.tail or w.gen_tail)]
             if ready:
                 try:  # the last round's MTP rows, which no next round will write: they complete captured blocks
                     flush_mtp_rows(self.model, ready)
@@ -664,6 +740,8 @@ class Scheduler:
                     log.exception("writing a finished session's MTP rows failed; its last blocks are not cached")
                 else:
                     self._finish_pending(ready)
+                    for s in ready:
+                        self._write_tails(s, final=True)
         for s in done:
             self.running.remove(s)
             if self.policy is not None:

@@ -10,7 +10,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from .cache import PREFILL_GRID, ModelCache, MtpScratch, StatePool
+from .cache import PREFILL_GRID, TAIL_GRID, TAIL_MARGIN, ModelCache, MtpScratch, StatePool
 from .encoder import encode_image
 from .forward import mtp_head_forward
 from .images import ImageInput, mrope_positions, mrope_table_rows
@@ -203,6 +203,10 @@ class SessionState:
         self.round_pre: torch.Tensor | None = None  # [T, H] the last round's pre-norm verify hiddens
         self._to_prefill: list[int] = []  # ids not yet prefilled (their first `_prefilled` are done)
         self._prefilled = 0
+        #: the block holding the prompt's tail boundary stops there first (`block_len`; the scheduler sets it where
+        #: the prefix cache keeps the state there and splitting a block leaves its bits alone:
+        #: `engine.prefill.steps_match_prefill`)
+        self.tail_cut = False
         self._constraint_consumed = 0  # drafts already consumed by the constraint walk of this round
         self._window = 0  # drafts the constraint consumed while drafting this round (for its window masks)
         self._last_row: tuple | None = None  # the prompt's last row (pre, post [1, H], its forward's ctx)
@@ -390,12 +394,24 @@ class SessionState:
         self.prefilled(ids, pre[0], ctx)  # [t, H]
         return len(ids)
 
+    def block_len(self, pos: int, left: int) -> int:
+        """Tokens of the prompt block that starts at position pos with `left` tokens still queued: up to the next
+        multiple of PREFILL_GRID (absolute positions) or the prompt's end; with `tail_cut`, the block that holds the
+        last TAIL_GRID boundary TAIL_MARGIN tokens or more before the prompt's end stops first there (the rest of it
+        is a block of its own)."""
+        c = min(left, PREFILL_GRID - pos % PREFILL_GRID)
+        if self.tail_cut:
+            cut = (pos + left - TAIL_MARGIN) // TAIL_GRID * TAIL_GRID
+            if pos < cut < pos + c:
+                c = cut - pos
+        return c
+
     def next_chunk(self) -> list[int]:
-        """The next grid block of the queued prompt: its tokens from the cache's length up to the next multiple of
-        PREFILL_GRID (absolute positions) or the prompt's end. Blocks never split elsewhere, whatever the budget,
-        the batch or K, so a prompt's prefill math is the same alone and under load. Raises if they do not fit in
-        the cache."""
-        n = PREFILL_GRID - self.cache.length % PREFILL_GRID
+        """The next grid block of the queued prompt (`block_len`): its tokens from the cache's length up to the next
+        multiple of PREFILL_GRID (absolute positions) or the prompt's end. Blocks never split elsewhere, whatever the
+        budget, the batch or K, so a prompt's prefill math is the same alone and under load. Raises if they do not
+        fit in the cache."""
+        n = self.block_len(self.cache.length, self.prefill_left)
         ids = self._to_prefill[self._prefilled:self._prefilled + n]
         self.cache.check_room(len(ids))
         return ids
@@ -406,7 +422,7 @@ class SessionState:
         out: list[list[int]] = []
         pos, at = self.cache.length, self._prefilled
         while len(out) < n and at < len(self._to_prefill):
-            ids = self._to_prefill[at:at + PREFILL_GRID - pos % PREFILL_GRID]
+            ids = self._to_prefill[at:at + self.block_len(pos, len(self._to_prefill) - at)]
             out.append(ids)
             pos, at = pos + len(ids), at + len(ids)
         self.cache.check_room(pos - self.cache.length)
@@ -416,14 +432,14 @@ class SessionState:
         """Tokens `next_chunks(n)` would take (0 when nothing is queued)."""
         pos, left = self.cache.length, self.prefill_left
         for _ in range(n):
-            c = min(left, PREFILL_GRID - pos % PREFILL_GRID)
+            c = self.block_len(pos, left)
             pos, left = pos + c, left - c
         return pos - self.cache.length
 
     @property
     def next_chunk_len(self) -> int:
         """Tokens `next_chunk` would take (0 when nothing is queued)."""
-        return min(self.prefill_left, PREFILL_GRID - self.cache.length % PREFILL_GRID)
+        return self.block_len(self.cache.length, self.prefill_left)
 
     def prefilled(self, ids: list[int], pre: torch.Tensor, ctx: FwdCtx, flush_mtp: bool = True) -> None:
         """Host side of a prefill block: `ids` (from `next_chunk`) went through the trunk at cache.length.. in the

@@ -17,6 +17,8 @@ import pytest
 import torch
 
 from engine.cache import PREFILL_GRID as G
+from engine.cache import TAIL_GRID as TG
+from engine.cache import TAIL_MARGIN
 from engine.cache import GdnPool, KVPool, PrefixCache, StatePool, block_keys
 from engine.loader import load_model
 from engine.model.ops import cpu
@@ -145,7 +147,7 @@ def test_every_k_from_0_to_8_and_a_cache_hit_at_each(model):
         _same(_alone(model, prompt, 12, k=k, capmax=8).rows, ref.rows, f"K={k} alone")
         hit = Rows(model, prompt, 12, k=k, capmax=8, pool=sched.pool)
         _run(sched, {0: [hit]})
-        assert hit.cached_tokens == 2 * G
+        assert hit.cached_tokens == (len(prompt) - TAIL_MARGIN) // TG * TG > 2 * G  # the prompt's tail
         _same(hit.rows, ref.rows, f"K={k} from the cache")
 
 
@@ -159,7 +161,7 @@ def test_a_long_prompt_past_2000_tokens(model):
     _same(s.rows, ref.rows, "2031 tokens under load")
     hit = Rows(model, prompt, 6, k=3, pool=sched.pool)
     _run(sched, {0: [hit]})
-    assert hit.cached_tokens == 7 * G
+    assert hit.cached_tokens == (2031 - TAIL_MARGIN) // TG * TG > 7 * G  # the prompt's tail
     _same(hit.rows, ref.rows, "2031 tokens from the cache")
 
 
@@ -196,9 +198,60 @@ def test_a_conversation_hits_through_the_previous_answer(model):
     ref = _alone(model, turn2, 10)
     b = Rows(model, turn2, 10, k=3, pool=sched.pool)
     _run(sched, {0: [b]})
-    assert b.cached_tokens == ((len(seq) - 1) // G) * G and b.cached_tokens > len(turn1)
+    # the tail at the answer's last TAIL_GRID boundary (off the grid here), past its last whole block
+    assert b.cached_tokens == ((len(seq) - 1) // TG) * TG and b.cached_tokens % G and b.cached_tokens > len(turn1)
     _same(b.rows, ref.rows, "turn 2 from the cache")
     assert b.telem == ref.telem
+
+
+@pytest.mark.parametrize("k2", [3, 0, 8])
+def test_the_next_turn_resumes_at_the_prompts_tail(model, k2):
+    """A prompt keeps its state at its last TAIL_GRID boundary (its last block stops there first): a next turn that
+    shares the prompt but not the answer resumes there, at any K, with a cold run's bits; one that differs before
+    it resumes at the last whole block (a tail's tokens are compared)."""
+    V = model.config.vocab_size
+    sched = _sched(model, cache_mb=64, k=8)
+    turn1 = _prompt(V, G + 100, 23)  # the last block [G, G + 100) stops first at its tail
+    tail = (len(turn1) - TAIL_MARGIN) // TG * TG
+    a = SpecSession(model, turn1, 6, k=3, pool=sched.pool)
+    _run(sched, {0: [a]})
+    assert a.prefill_tokens == len(turn1)
+    assert G < tail < G + 100 - TAIL_MARGIN - 1
+    for turn2, at in ((turn1 + _prompt(V, 40, 24), tail),
+                      (turn1[:G + 30] + _prompt(V, 80, 25), G)):  # differs at G + 30, inside the tail
+        ref = _alone(model, turn2, 10, k=k2, capmax=8)
+        b = Rows(model, turn2, 10, k=k2, capmax=8, pool=sched.pool)
+        _run(sched, {0: [b]})
+        assert b.cached_tokens == at and b.prefill_tokens == len(turn2) - at
+        _same(b.rows, ref.rows, f"turn 2 resumed at {at}, K={k2}")
+        assert b.telem == ref.telem
+
+
+def test_tails_are_leaves_of_their_chain(model):
+    """A tail hangs under its chain's last block: eviction takes the tail before that block, lookup_tail verifies
+    its tokens and parent, and insert_tail refuses a tail whose chain is not cached."""
+    V = model.config.vocab_size
+    sched = _sched(model, cache_mb=64)
+    prompt = _prompt(V, G + 2 * TG + TAIL_MARGIN + 4, 26)  # its tail: the first 2 TG of block 1
+    a = SpecSession(model, prompt, 2, k=3, pool=sched.pool)
+    _run(sched, {0: [a]})
+    pc = sched.cache
+    keys = block_keys(prompt, 1, pc.root)
+    ids = pc.lookup(prompt, keys)
+    assert len(ids) == 1 and pc.lookup_tail(prompt, keys, ids) == (pc.lookup_tail(prompt, keys, ids)[0], 2 * TG)
+    assert pc.lookup_tail(prompt[:G + 2 * TG] + [prompt[G + 2 * TG] ^ 1] + prompt[G + 2 * TG + 1:], keys, ids) \
+        is not None  # the tokens after the tail do not matter
+    changed = prompt[:G + 5] + [(prompt[G + 5] + 1) % V] + prompt[G + 6:]
+    assert pc.lookup_tail(changed, keys, ids) is None
+    assert pc.lookup_tail(prompt, keys, []) is None  # not under another chain
+    blocks = pc.stats.blocks
+    pc._evict_one()  # noqa: SLF001 - the eviction order is the contract tested
+    assert pc.stats.blocks == blocks - 1 and pc.lookup(prompt, keys) == ids
+    assert pc.lookup_tail(prompt, keys, ids) is None
+    bid = pc.reserve()
+    other = _prompt(V, G + TG + 1, 27)
+    assert not pc.insert_tail(block_keys(other, 1, pc.root), other, 1, TG, 0, 0 if pc.mtp else None, bid)
+    assert bid in pc._free  # noqa: SLF001 - released, not lost
 
 
 def test_cancelled_mid_prefill_leaves_the_cache_consistent(model):
@@ -321,7 +374,7 @@ def test_a_moe_model_is_row_wise_on_the_c_path_too(tmp_path):
     turn2 = prompt + s.emitted + _prompt(V, 9, 45)
     hit = Rows(model, turn2, 6, k=3, pool=sched.pool)
     _run(sched, {0: [hit]})
-    assert hit.cached_tokens == 2 * G
+    assert hit.cached_tokens % TG == 0 and 2 * G <= hit.cached_tokens < len(prompt) + len(s.emitted)  # the answer's
     _same(hit.rows, _alone(model, turn2, 6, k=3).rows, "MoE from the cache")
 
 

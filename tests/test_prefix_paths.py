@@ -6,9 +6,10 @@ engine/session.py).
     path. The MTP head's prompt rows are written block by block in forwards that cover exactly a cached block's
     rows (bG-1 .. B-2), so a hit at B runs the forward a miss runs (row B-1 with the next block's rows);
   * an exception inside one of the scheduler's prefix-cache paths (`_resume`, `_write_prefilled`, `_capture_decoded`,
-    `_finish_pending`; injected by monkeypatching the cache's methods for one session's slot) fails that request
-    only: the others in the batch finish with the tokens of a run without the fault, every pool slot and reserved
-    block comes back, and a later request with the same prefix still resumes from the cache with a cold run's bits.
+    `_finish_pending`, and the tails' `_capture_tail`, `_write_tails`; injected by monkeypatching the cache's methods
+    for one session's slot) fails that request only: the others in the batch finish with the tokens of a run without the
+    fault, every pool slot and reserved block comes back, and a later request with the same prefix still resumes from
+    the cache with a cold run's bits.
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import pytest
 import torch
 
 from engine.cache import PREFILL_GRID as G
+from engine.cache import TAIL_GRID as TG
+from engine.cache import TAIL_MARGIN
 from engine.cache import PrefixCache
 from engine.loader import load_model
 from engine.model.ops import cpu
@@ -39,8 +42,9 @@ def _sched(model, cache_mb: int, seqs: int = 4, budget: int = 512) -> Scheduler:
 
 @pytest.mark.parametrize("path", ["torch", "c"])
 def test_seeded_sampling_hit_equals_miss(model, path):
-    """A sampled request (temperature 0.9, seed 5, K = 3, 64 tokens) resumed from a 2-block hit emits the tokens, the
-    logit rows and the acceptance counters (so the drafts) of the same request with the cache off."""
+    """A sampled request (temperature 0.9, seed 5, K = 3, 64 tokens) resumed from a 2-block hit (and the C path's
+    tail) emits the tokens, the logit rows and the acceptance counters (so the drafts) of the same request with the
+    cache off."""
     prev = cpu.set_enabled(path == "c")
     try:
         prompt = _prompt(model.config.vocab_size, 2 * G + 45, 3)
@@ -53,7 +57,9 @@ def test_seeded_sampling_hit_equals_miss(model, path):
                                   pool=on.pool)]})
         hit = Rows(model, prompt, 64, k=3, sampling=samp, pool=on.pool)
         _run(on, {0: [hit]})
-        assert hit.cached_tokens == 2 * G and miss.cached_tokens == 0
+        # the C path resumes at the prompt's tail (a forward that stops anywhere has the bits of one that runs on)
+        assert hit.cached_tokens == (2 * G if path == "torch" else (len(prompt) - TAIL_MARGIN) // TG * TG)
+        assert miss.cached_tokens == 0
         assert len(miss.emitted) == 64 and miss.telem.drafted > 0
         assert hit.emitted == miss.emitted, f"{path} path: sampled tokens differ between a hit and a miss"
         _same(hit.rows, miss.rows, f"{path} path, hit vs miss")
@@ -104,6 +110,8 @@ FAULTS = {
     "_write_prefilled": ("insert", 2 * G + 10, 12),
     "_capture_decoded": ("capture_state", G - 20, 40),
     "_finish_pending": ("insert", G - 20, 40),
+    "_capture_tail": ("capture_state", 2 * G + 100, 4),  # the prompt's tail, in block 2
+    "_write_tails": ("insert_tail", 2 * G + 100, 4),
 }
 
 
@@ -112,7 +120,7 @@ def _inject(monkeypatch, name: str, path: str, slot: int) -> None:
     real = getattr(PrefixCache, name)
 
     def faulty(self, *a, **kw):
-        at = a[1 if name in ("restore", "capture_state") else 3]
+        at = a[1 if name in ("restore", "capture_state") else 4 if name == "insert_tail" else 3]
         bid = kw.get("bid")
         if at == slot and (name != "insert" or (bid is None) == (path == "_write_prefilled")):
             raise Injected(f"{name} for slot {slot}")
@@ -124,7 +132,8 @@ def _inject(monkeypatch, name: str, path: str, slot: int) -> None:
 def _ledger(monkeypatch) -> set[int]:
     """The reserved block ids not yet released nor inserted (tracks PrefixCache.reserve / release / insert)."""
     held: set[int] = set()
-    reserve, release, insert = PrefixCache.reserve, PrefixCache.release, PrefixCache.insert
+    reserve, release, insert, insert_tail = PrefixCache.reserve, PrefixCache.release, PrefixCache.insert, \
+        PrefixCache.insert_tail
 
     def rsv(self):
         bid = reserve(self)
@@ -142,6 +151,13 @@ def _ledger(monkeypatch) -> set[int]:
             held.discard(bid)
         return ok
 
+    def ins_tail(self, *a, **kw):
+        ok = insert_tail(self, *a, **kw)
+        if ok:
+            held.discard(a[6])
+        return ok
+
+    monkeypatch.setattr(PrefixCache, "insert_tail", ins_tail)
     monkeypatch.setattr(PrefixCache, "reserve", rsv)
     monkeypatch.setattr(PrefixCache, "release", rel)
     monkeypatch.setattr(PrefixCache, "insert", ins)
@@ -183,8 +199,11 @@ def test_a_raise_in_a_prefix_cache_path_fails_one_request(model, path, monkeypat
              Rows(model, a.prompt_ids + a.emitted + _prompt(model.config.vocab_size, 7, 30), 6, k=3, pool=sched.pool)]
     _run(sched, {0: later[:1]})
     _run(sched, {0: later[1:]})
-    assert later[0].cached_tokens == (G if len(ss[1].prompt_ids) > G else 0)
-    assert later[1].cached_tokens == G * ((len(a.prompt_ids) + len(a.emitted) - 1) // G)
+    # whole blocks the others left (ss[1]'s own tail too, where its fault came after writing it)
+    n1 = len(ss[1].prompt_ids)
+    assert later[0].cached_tokens in {b * G for b in range(n1 // G + 1)} | {(n1 - TAIL_MARGIN) // TG * TG}
+    n0 = len(a.prompt_ids) + len(a.emitted) - 1  # a's sequence in the cache: its last block, or the answer's tail
+    assert later[1].cached_tokens % TG == 0 and n0 // G * G <= later[1].cached_tokens <= n0
     for s in later:
         assert s.error is None
         _same(s.rows, _alone_rows(model, s.prompt_ids), f"{path}: a later hit")

@@ -1,7 +1,8 @@
 """The prefix cache through `nextn serve` (a real uvicorn, the official `openai` client): a six-turn conversation
-reports `usage.prompt_tokens_details.cached_tokens` covering the earlier turns up to the last grid boundary the
-chat template renders identically, and answers exactly as a server with the cache off; /metrics counts the
-queried and hit tokens; the streamed usage chunk and the Responses API report the hit too."""
+reports `usage.prompt_tokens_details.cached_tokens` covering the earlier turns up to the last grid boundary or tail
+(the C kernels: each request's prompt and answer end on the 64-token grid) the chat template renders identically,
+and answers exactly as a server with the cache off; /metrics counts the queried and hit tokens; the streamed usage
+chunk and the Responses API report the hit too."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,8 @@ import openai
 import pytest
 
 from engine.cache import PREFILL_GRID as G
+from engine.cache import TAIL_GRID as TG
+from engine.cache import TAIL_MARGIN
 from tests.server_fixtures import ServerThread
 
 SYSTEM = ("You are a careful assistant for a hardware store. You can use these tools when they help:\n"
@@ -29,6 +32,26 @@ def _common(a: list[int], b: list[int]) -> int:
     return n
 
 
+def _expect(prompt: list[int], earlier: list[tuple[list[int], list[int]]]) -> int:
+    """The hit a prompt gets from earlier requests (each: its prompt, and its sequence in the cache = prompt + answer
+    but its last token): the longest run of whole blocks they share with it, or a tail at an earlier prompt's last
+    64-token boundary or at the last one its answer crossed, never the prompt's last token."""
+    best = 0
+    for p, seq in earlier:
+        c = min(_common(seq, prompt), len(prompt) - 1)
+        best = max(best, c // G * G)
+        gen = len(seq) // TG * TG
+        for B in ((len(p) - TAIL_MARGIN) // TG * TG, gen if gen > len(p) else 0):
+            if B % G and B <= c:
+                best = max(best, B)
+    return best
+
+
+def _repeated(got: int, n: int) -> bool:
+    """The hit of a prompt of n tokens sent again: its tail, or its whole blocks where they reach further."""
+    return got == max((n - TAIL_MARGIN) // TG * TG, (n - 1) // G * G) > 0
+
+
 @pytest.fixture(scope="module")
 def servers():
     with ServerThread(demo=True, max_model_len=2048) as on, \
@@ -41,13 +64,13 @@ def _client(srv: ServerThread) -> openai.OpenAI:
 
 
 def test_a_six_turn_conversation_hits_the_earlier_turns_and_answers_as_without_the_cache(servers):
-    """Chat: each turn resumes from the longest run of grid blocks an earlier turn left. The template renders an
-    earlier answer without its thinking block (the generation prompt ends `assistant\n<think>\n`, the history
-    `assistant\n` + the answer), so the sequences part right after the previous turn's `assistant\n`: a turn
-    re-prefills the previous answer and what lies between the last grid boundary and it."""
+    """Chat: each turn resumes from the longest run of grid blocks, or the tail, an earlier turn left. The template
+    renders an earlier answer without its thinking block (the generation prompt ends `assistant\n<think>\n`, the
+    history `assistant\n` + the answer), so the sequences part right after the previous turn's `assistant\n`: a
+    turn re-prefills the previous answer and what lies between the previous prompt's last 64-token boundary and it."""
     on, off = servers
     history = [{"role": "system", "content": SYSTEM}]
-    done: list[list[int]] = []  # each earlier turn's sequence in the cache: prompt + answer (its last token aside)
+    done: list[tuple[list[int], list[int]]] = []  # earlier turns: (prompt, prompt + answer but its last token)
     for n, text in enumerate(TURNS):
         history.append({"role": "user", "content": text})
         kw = dict(messages=history, max_tokens=40, temperature=0, extra_body={"return_token_ids": True})
@@ -57,14 +80,13 @@ def test_a_six_turn_conversation_hits_the_earlier_turns_and_answers_as_without_t
         assert cold.prompt_token_ids == prompt and cold.choices[0].token_ids == out, f"turn {n + 1}"
         assert r.choices[0].message.content == cold.choices[0].message.content
         assert cold.usage.prompt_tokens_details.cached_tokens == 0
-        # the longest run of grid blocks an earlier turn left, never the prompt's last token
-        expect = max([min(_common(seq, prompt), len(prompt) - 1) // G * G for seq in done], default=0)
+        expect = _expect(prompt, done)
         got = r.usage.prompt_tokens_details.cached_tokens
         assert got == expect, f"turn {n + 1}: cached {got}, expected {expect}"
-        assert n == 0 or got >= len(done[-1]) // G * G - G, "a turn hits through the earlier turns"
-        done.append(prompt + out[:-1])
+        assert n == 0 or got > _common(done[-1][0], prompt) - TG - TAIL_MARGIN, "a turn resumes near the last"
+        done.append((prompt, prompt + out[:-1]))
         history.append({"role": "assistant", "content": r.choices[0].message.content})
-    assert len(done[-1]) > 3 * G, "the conversation grew past three grid blocks"
+    assert len(done[-1][1]) > 3 * G, "the conversation grew past three grid blocks"
 
 
 def test_a_token_id_conversation_hits_through_the_previous_answer(servers):
@@ -72,8 +94,10 @@ def test_a_token_id_conversation_hits_through_the_previous_answer(servers):
     prompt + its completion + new ids, so it resumes past the previous answer's grid boundaries (blocks that decode
     steps completed), with the bits of a cold prefill."""
     on, off = servers
-    ids = _client(on).completions.create(model=on.model, prompt=SYSTEM, max_tokens=1,
-                                         extra_body={"return_token_ids": True}).choices[0].prompt_token_ids
+    first = _client(on).completions.create(model=on.model, prompt=SYSTEM, max_tokens=1,
+                                           extra_body={"return_token_ids": True}).choices[0]
+    ids = first.prompt_token_ids
+    done = [(ids, ids + first.token_ids[:-1])]
     past = 0
     for n in range(4):
         kw = dict(prompt=ids, max_tokens=120, temperature=0, extra_body={"return_token_ids": True, "ignore_eos": True})
@@ -82,9 +106,10 @@ def test_a_token_id_conversation_hits_through_the_previous_answer(servers):
         out = r.choices[0].token_ids
         assert out == cold.choices[0].token_ids and r.choices[0].text == cold.choices[0].text
         got = r.usage.prompt_tokens_details.cached_tokens
-        assert got == (len(ids) - 1) // G * G  # the first turn: the blocks the first call left
+        assert got == _expect(ids, done), n
         past += n > 0 and got > prev_prompt
         prev_prompt = len(ids)
+        done.append((ids, ids + out[:-1]))
         ids = ids + out + ids[5:12]
     assert past, "a turn resumed inside the previous answer"
 
@@ -95,7 +120,7 @@ def test_metrics_count_queried_and_hit_tokens(servers):
     msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Price of a hammer?"}]
     first = _client(on).chat.completions.create(model=on.model, messages=msgs, max_tokens=4, temperature=0)
     second = _client(on).chat.completions.create(model=on.model, messages=msgs, max_tokens=4, temperature=0)
-    assert second.usage.prompt_tokens_details.cached_tokens == (first.usage.prompt_tokens - 1) // G * G > 0
+    assert _repeated(second.usage.prompt_tokens_details.cached_tokens, first.usage.prompt_tokens)
     assert on.metric("nextn_prefix_cache_queries_total") - q0 == 2 * first.usage.prompt_tokens
     assert on.metric("nextn_prefix_cache_hits_total") - h0 == first.usage.prompt_tokens_details.cached_tokens + \
         second.usage.prompt_tokens_details.cached_tokens
@@ -112,6 +137,6 @@ def test_streamed_usage_and_the_responses_api_report_the_hit(servers):
     for chunk in c.chat.completions.create(model=on.model, messages=msgs, max_tokens=2, temperature=0, stream=True,
                                            stream_options={"include_usage": True}):
         last = chunk
-    assert last.usage.prompt_tokens_details.cached_tokens == (last.usage.prompt_tokens - 1) // G * G > 0
+    assert _repeated(last.usage.prompt_tokens_details.cached_tokens, last.usage.prompt_tokens)
     r = c.responses.create(model=on.model, instructions=SYSTEM, input="Stock of saws?", max_output_tokens=2)
-    assert r.usage.input_tokens_details.cached_tokens == (r.usage.input_tokens - 1) // G * G > 0
+    assert _repeated(r.usage.input_tokens_details.cached_tokens, r.usage.input_tokens)

@@ -53,7 +53,8 @@ def real_vocab_dir(request, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def served(real_vocab_dir):
-    with ServerProcess(real_vocab_dir, "--num-speculative-tokens", "3", "--max-model-len", "1024",
+    # fixed K: random weights accept nothing, so the K controller would run these requests plain
+    with ServerProcess(real_vocab_dir, "--num-speculative-tokens", "3", "--no-spec-adaptive", "--max-model-len", "1024",
                        "--max-num-seqs", "2") as srv:
         yield srv
 

@@ -86,26 +86,28 @@ def _same(a: list[torch.Tensor], b: list[torch.Tensor], what: str) -> None:
         assert torch.equal(x, y), f"{what}: tensor {j} differs packed vs one block per forward"
 
 
-@pytest.mark.slow  # ~10 s under the interpreter; test_a_hit_on_blocks_cached_from_one_row_... is the quick guard
-@pytest.mark.parametrize("cache", [False, True])
-def test_a_sessions_blocks_in_one_forward_equal_one_block_per_forward(cache, grid, monkeypatch):
+@pytest.mark.slow  # ~14 s under the interpreter; test_a_hit_on_blocks_cached_from_one_row_... is the quick guard
+def test_a_sessions_blocks_in_one_forward_equal_one_block_per_forward(grid, monkeypatch):
     """Three sessions, two of them multi-block (4 blocks + 5 and 2 blocks + 3: prompt ends off the grid) and one
-    short; K = 3, so with the prefix cache on a row takes at most 4 blocks: the 5-block prompt needs two forwards."""
+    short; K = 3. Packed without the prefix cache: one forward; with it a row takes at most 4 blocks, so the 5-block
+    prompt needs two forwards. Both leave what one block per forward leaves (with the cache on: every block cached
+    the same)."""
     m = _model(False, "float32", seed=41)
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (4 * G + 5, 7, 2 * G + 3)]
-    one, s1, f1 = _run(m, prompts, 3, False, cache, monkeypatch)
-    packed, s2, f2 = _run(m, prompts, 3, True, cache, monkeypatch)
+    one, s1, f1 = _run(m, prompts, 3, False, True, monkeypatch)
     assert f1 == [[1]] * 9, f1  # one block per forward: 5 + 1 + 3
-    # packed: one forward for the three rows (padded 69 x 3 <= 224) ... with the cache, 4 blocks, then the fifth
-    assert f2 == ([[4, 1, 3], [1]] if cache else [[5, 1, 3]]), f2
-    for i, (a, b) in enumerate(zip(packed, one)):
-        assert a.emitted == b.emitted and torch.equal(a.rows[0], b.rows[0]), f"prompt {i}: first token's logits"
-        _same(_state(a), _state(b), f"prompt {i}")
-        if cache:
-            got, want = _cached(s2, prompts[i]), _cached(s1, prompts[i])
-            assert int(want[0]) == (len(prompts[i]) - 1) // G, "every full block of the prompt is cached"
-            _same(got, want, f"prompt {i}'s prefix-cache blocks")
+    for cache in (False, True):
+        packed, s2, f2 = _run(m, prompts, 3, True, cache, monkeypatch)
+        # packed: one forward for the three rows (padded 69 x 3 <= 224) ... with the cache, 4 blocks, then the fifth
+        assert f2 == ([[4, 1, 3], [1]] if cache else [[5, 1, 3]]), f2
+        for i, (a, b) in enumerate(zip(packed, one)):
+            assert a.emitted == b.emitted and torch.equal(a.rows[0], b.rows[0]), f"prompt {i}: first token's logits"
+            _same(_state(a), _state(b), f"prompt {i}, cache {cache}")
+            if cache:
+                got, want = _cached(s2, prompts[i]), _cached(s1, prompts[i])
+                assert int(want[0]) == (len(prompts[i]) - 1) // G, "every full block of the prompt is cached"
+                _same(got, want, f"prompt {i}'s prefix-cache blocks")
 
 
 def test_a_hit_on_blocks_cached_from_one_row_gives_the_misses_bits(grid, monkeypatch):
@@ -131,9 +133,9 @@ def test_greedy_spec_equals_plain_after_a_multiblock_prefill(grid, monkeypatch):
     prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (3 * G + 5, 2 * G)]
     outs = {}
     for k in (0, 3):
-        ss, sched, f = _run(m, prompts, k, True, False, monkeypatch, n_new=6)
+        ss, sched, f = _run(m, prompts, k, True, False, monkeypatch, n_new=5)
         assert f[0] == [4, 2], f
         while sched.num_sessions:
             sched.step()
         outs[k] = [s.emitted for s in ss]
-    assert all(len(o) == 6 for o in outs[0]) and outs[3] == outs[0]
+    assert all(len(o) == 5 for o in outs[0]) and outs[3] == outs[0]

@@ -334,7 +334,8 @@ class PrefixCache:
     keyed by `tail_key` under the chain of the blocks before it and kept as a leaf of that chain (`insert_tail`,
     `lookup_tail`). The scheduler keeps them where a forward that stops at any position computes the bits one that
     runs on does (the C path: `engine.prefill.steps_match_prefill`), at the end of a request's prompt and of its
-    generated tokens, so a conversation's next turn resumes within TAIL_GRID - 1 tokens of the previous turn.
+    generated tokens, so a conversation's next turn resumes within TAIL_GRID + TAIL_MARGIN - 1 tokens of where it
+    parts from the previous one.
 
     What a key collision can do: a key is a 128-bit hash, and the index holds at most one block per key, so two
     sequences whose keys collide cannot both be cached (the second is not inserted). It cannot return state computed
@@ -524,6 +525,21 @@ class PrefixCache:
             i += 2
         parts[-1].copy_(pre_last)
 
+    def _store_rows(self, bid: int, slot: int, mtp_slot: int | None, b: int, t: int) -> None:
+        """Copy the first t positions of grid block b of pool slot `slot` into block `bid`: every attention layer's
+        K/V rows bG..bG+t-1 and (mtp_slot not None) the MTP head's rows bG-1..bG+t-2 (`restore`'s inverse)."""
+        G, pool = PREFILL_GRID, self.pool
+        parts, i = self._parts(bid), 0
+        for c in pool.layers:
+            if isinstance(c, KVPool):
+                parts[i][:t].copy_(c.k[slot, b * G:b * G + t])  # [t, nkv, hd]
+                parts[i + 1][:t].copy_(c.v[slot, b * G:b * G + t])  # [t, nkv, hd]
+            i += 2
+        if mtp_slot is not None:
+            j = 1 if b == 0 else 0
+            parts[i][j:t] = pool.mtp.k[mtp_slot, b * G - 1 + j:b * G + t - 1]  # [t - j, nkv, hd]
+            parts[i + 1][j:t] = pool.mtp.v[mtp_slot, b * G - 1 + j:b * G + t - 1]  # [t - j, nkv, hd]
+
     def contains(self, key: bytes) -> bool:
         return key in self._index
 
@@ -535,7 +551,7 @@ class PrefixCache:
         `pre_last` (the state at (b+1)G is live there now), or were captured into the reserved `bid` already.
         A block already cached, or whose earlier blocks the index does not hold as `tokens`' own (evicted meanwhile,
         or a key collision), is not inserted; a reserved `bid` is then released. Returns whether it was inserted."""
-        G, pool, key = PREFILL_GRID, self.pool, keys[b]
+        G, key = PREFILL_GRID, keys[b]
         parent = keys[b - 1] if b > 0 else None
         if bid is None and (window_slot is None or pre_last is None):
             raise ValueError("insert: give the live window slot and the carrier, or a captured block id")
@@ -560,16 +576,7 @@ class PrefixCache:
         try:  # a copy that raises gives the block back: it is neither indexed nor lost
             if not captured:
                 self.capture_state(bid, slot, window_slot, pre_last)
-            parts, i = self._parts(bid), 0
-            for c in pool.layers:
-                if isinstance(c, KVPool):
-                    parts[i].copy_(c.k[slot, b * G:(b + 1) * G])  # [G, nkv, hd]
-                    parts[i + 1].copy_(c.v[slot, b * G:(b + 1) * G])  # [G, nkv, hd]
-                i += 2
-            if mtp_slot is not None:
-                j = 1 if b == 0 else 0
-                parts[i][j:] = pool.mtp.k[mtp_slot, b * G - 1 + j:(b + 1) * G - 1]  # [G - j, nkv, hd]
-                parts[i + 1][j:] = pool.mtp.v[mtp_slot, b * G - 1 + j:(b + 1) * G - 1]  # [G - j, nkv, hd]
+            self._store_rows(bid, slot, mtp_slot, b, G)
         except BaseException:
             self._free.append(bid)
             raise
@@ -589,7 +596,7 @@ class PrefixCache:
         bG + t and its carrier were captured into the reserved `bid` (`capture_state`). Not inserted (and `bid`
         released) when that tail is cached already or the index does not hold the chain of blocks 0..b-1 as `tokens`'
         own. Returns whether it was inserted."""
-        G, pool = PREFILL_GRID, self.pool
+        G = PREFILL_GRID
         try:  # whatever raises gives the reserved block back: it is neither indexed nor lost
             if not (0 < t < G and t % TAIL_GRID == 0):
                 raise ValueError(f"a tail holds a multiple of {TAIL_GRID} positions below {G}, not {t}")
@@ -599,16 +606,7 @@ class PrefixCache:
                 self.release(bid)
                 self._touch(key if key in self._index else None)
                 return False
-            parts, i = self._parts(bid), 0
-            for c in pool.layers:
-                if isinstance(c, KVPool):
-                    parts[i][:t].copy_(c.k[slot, b * G:b * G + t])  # [t, nkv, hd]
-                    parts[i + 1][:t].copy_(c.v[slot, b * G:b * G + t])  # [t, nkv, hd]
-                i += 2
-            if mtp_slot is not None:
-                j = 1 if b == 0 else 0
-                parts[i][j:t] = pool.mtp.k[mtp_slot, b * G - 1 + j:b * G + t - 1]  # [t - j, nkv, hd]
-                parts[i + 1][j:t] = pool.mtp.v[mtp_slot, b * G - 1 + j:b * G + t - 1]  # [t - j, nkv, hd]
+            self._store_rows(bid, slot, mtp_slot, b, t)
         except BaseException:
             self.release(bid)
             raise

@@ -33,13 +33,15 @@ def decode_step_t(model: Qwen35ForCausalLM, tokens: list[int], pos0: int, cache:
 
 def mtp_head_forward(model: Qwen35ForCausalLM, tokens: list[int], hidden: torch.Tensor, pos: int,
                      scratch: MtpScratch, chunk: int = MTP_CHUNK, embeds: torch.Tensor | None = None,
-                     rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
     """NextN step(s) for one sequence: rows (token i+1, trunk/head hidden of row i) at positions pos.. write the
     head's K/V into `scratch`; returns (fp32 draft logits of the LAST row [V], head hidden of the last row
     [1, H]). Long queues (after a prefill) run in chunks of `chunk` rows and only the last row (the one whose draft
     is used) ever gets logits, so memory stays O(chunk * context + V). The batched round drafts in `_draft`.
     embeds [n, H], rope (cos, sin [n, R]): the rows' input embeddings and rotary rows when they are not the plain
-    ones (a prompt with images, `SessionState.mtp_inputs`)."""
+    ones (a prompt with images, `SessionState.mtp_inputs`). logits=False: only the K/V is wanted (a flush), and
+    the logits are None (no LM head: at a real vocabulary it costs about as much as the head's layer itself)."""
     hm = hidden[:0]
     dt = model.model.embed_tokens.weight.dtype
     for c0 in range(0, len(tokens), chunk):
@@ -50,4 +52,4 @@ def mtp_head_forward(model: Qwen35ForCausalLM, tokens: list[int], hidden: torch.
         hm = (model.mtp_forward(x, hidden[None, c0:c1], ctx, scratch.kv) if embeds is None else
               model.mtp_forward(x, hidden[None, c0:c1], ctx, scratch.kv, embeds[None, c0:c1]))[0]  # [t, H]
     last = hm[-1:]  # [1, H]
-    return model.logits(last[0]), last
+    return (model.logits(last[0]) if logits else None), last

@@ -86,8 +86,10 @@ class _Est:
             self.n[j] += 1.0
 
     def decay(self, f: float) -> None:
-        self.hit = [f * h for h in self.hit]
-        self.n = [f * n for n in self.n]
+        h, n = self.hit, self.n
+        for j in range(len(h)):
+            h[j] *= f
+            n[j] *= f
 
 
 @dataclass
@@ -117,31 +119,44 @@ class KPolicy:
         """The cost table's bucket for n rows (the smallest >= n; the largest beyond it)."""
         return next((b for b in self.buckets if b >= n), self.buckets[-1])
 
-    def accept(self, row: Hashable) -> list[float]:
-        """Row's estimated conditional acceptance per position (the pooled one for an unknown row)."""
-        K, p, e = self.spec.k_max, self.pool, self.rows.get(row)
+    def pooled(self) -> list[float]:
+        """The pooled conditional acceptance per position (a new row's estimate): the pool's counts with one
+        pseudo-observation of the previous position's (position 0's: A_INIT)."""
+        p = self.pool
         assert p is not None
         out, prev = [], A_INIT
-        for j in range(K):
-            pj = (p.hit[j] + PRIOR_WEIGHT * prev) / (p.n[j] + PRIOR_WEIGHT)  # pooled, falling back on position j-1
-            if e is None:
-                a = pj
-            elif e.n[j] < 0.5 and j > 0:  # a position the row never reached: its own position j-1's estimate
-                a = out[-1]
-            else:
-                a = (e.hit[j] + PRIOR_WEIGHT * pj) / (e.n[j] + PRIOR_WEIGHT)
-            out.append(a)
-            prev = pj
+        for h, n in zip(p.hit, p.n):
+            prev = (h + PRIOR_WEIGHT * prev) / (n + PRIOR_WEIGHT)
+            out.append(prev)
+        return out
+
+    def accept(self, row: Hashable, pooled: list[float] | None = None) -> list[float]:
+        """Row's estimated conditional acceptance per position (the pooled one for an unknown row); `pooled`: this
+        round's `pooled()`, when the caller has it."""
+        pa = self.pooled() if pooled is None else pooled
+        e = self.rows.get(row)
+        if e is None:
+            return pa
+        out: list[float] = []
+        for j, (h, n, pj) in enumerate(zip(e.hit, e.n, pa)):
+            # a position the row never reached: its own position j-1's estimate
+            out.append(out[-1] if n < 0.5 and j > 0 else (h + PRIOR_WEIGHT * pj) / (n + PRIOR_WEIGHT))
         return out
 
     @staticmethod
     def expected(a: list[float], k: int) -> float:
         """E(k) = 1 + sum_{j<k} prod_{i<=j} a_i: tokens one round emits with k drafts."""
-        e, p = 1.0, 1.0
+        return KPolicy.curve(a, k)[k]
+
+    @staticmethod
+    def curve(a: list[float], k: int) -> list[float]:
+        """[E(0), ..., E(k)] in one pass (each E(j) bitwise `expected(a, j)`)."""
+        e, p, out = 1.0, 1.0, [1.0]
         for j in range(k):
             p *= a[j]
             e += p
-        return e
+            out.append(e)
+        return out
 
     def plan(self, rows: list[Hashable]) -> list[int]:
         """Each row's k for the next round (a round over `rows`, in order; none: [])."""
@@ -158,12 +173,13 @@ class KPolicy:
                 e.decay(DECAY)
         B = self.bucket(n)
         c = [self.seconds(B, T) for T in range(1, cap + 2)]  # c[T-1]
-        acc = [self.accept(r) for r in rows]
-        best = [max(range(cap + 1), key=lambda k, a=a: (self.expected(a, k) / c[k] * (1 + MARGIN) ** -k))
-                for a in acc]  # each row alone: tokens per second, ties to the smaller k
+        pen = [(1 + MARGIN) ** -k for k in range(cap + 1)]  # ties to the smaller k
+        pa = self.pooled()
+        E = [self.curve(self.accept(r, pa), cap) for r in rows]  # E[i][k]: row i's tokens from k drafts
+        best = [max(range(cap + 1), key=lambda k, e=e: e[k] / c[k] * pen[k]) for e in E]  # each row alone: tokens/s
         rate, T = -1.0, 1
         for t in range(1, cap + 2):
-            r = sum(self.expected(a, min(b, t - 1)) for a, b in zip(acc, best)) / c[t - 1]
+            r = sum(e[min(b, t - 1)] for e, b in zip(E, best)) / c[t - 1]
             if r > rate * (1 + MARGIN):
                 rate, T = r, t
         ks = [min(b, T - 1) for b in best]
@@ -176,7 +192,9 @@ class KPolicy:
     def observe(self, row: Hashable, drafted: int, n_acc: int) -> None:
         """A round's outcome for `row`: `drafted` drafts verified (after cuts), n_acc accepted."""
         K = self.spec.k_max
-        e = self.rows.setdefault(row, _Est([0.0] * K, [0.0] * K))
+        e = self.rows.get(row)
+        if e is None:
+            e = self.rows[row] = _Est([0.0] * K, [0.0] * K)
         e.add(drafted, n_acc)
         assert self.pool is not None
         if drafted:

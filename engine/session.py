@@ -612,7 +612,7 @@ class SessionState:
         assert sc is not None and self._mtp_hidden is not None
         emb, rope = self.mtp_inputs(sc.length, self._mtp_tokens[:n])
         mtp_head_forward(self.model, self._mtp_tokens[:n], self._mtp_hidden[:n], sc.length, sc, embeds=emb,
-                         rope=rope)
+                         rope=rope, logits=False)
         sc.set_len(sc.length + n)
         self._mtp_tokens, self._mtp_hidden = self._mtp_tokens[n:], self._mtp_hidden[n:]
 

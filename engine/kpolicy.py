@@ -110,14 +110,20 @@ class KPolicy:
     _probing: bool = False
     _probe_hits: int = 0
     last_t: int = 1
+    _bucket_of: dict[int, int] = field(default_factory=dict)
+    _pen: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         K = self.spec.k_max
         self.pool = self.pool or _Est([0.0] * K, [0.0] * K)
+        self._pen = [(1 + MARGIN) ** -k for k in range(K + 1)]
 
     def bucket(self, n: int) -> int:
         """The cost table's bucket for n rows (the smallest >= n; the largest beyond it)."""
-        return next((b for b in self.buckets if b >= n), self.buckets[-1])
+        b = self._bucket_of.get(n)
+        if b is None:
+            b = self._bucket_of[n] = next((b for b in self.buckets if b >= n), self.buckets[-1])
+        return b
 
     def pooled(self) -> list[float]:
         """The pooled conditional acceptance per position (a new row's estimate): the pool's counts with one
@@ -173,16 +179,18 @@ class KPolicy:
                 e.decay(DECAY)
         B = self.bucket(n)
         c = [self.seconds(B, T) for T in range(1, cap + 2)]  # c[T-1]
-        pen = [(1 + MARGIN) ** -k for k in range(cap + 1)]  # ties to the smaller k
+        pen = self._pen  # (1 + MARGIN)^-k: ties to the smaller k
         pa = self.pooled()
         E = [self.curve(self.accept(r, pa), cap) for r in rows]  # E[i][k]: row i's tokens from k drafts
         best = [max(range(cap + 1), key=lambda k, e=e: e[k] / c[k] * pen[k]) for e in E]  # each row alone: tokens/s
-        rate, T = -1.0, 1
-        for t in range(1, cap + 2):
-            r = sum(e[min(b, t - 1)] for e, b in zip(E, best)) / c[t - 1]
-            if r > rate * (1 + MARGIN):
-                rate, T = r, t
-        ks = [min(b, T - 1) for b in best]
+        ks = best  # every row best at k = 0: whatever T wins, every row drafts min(0, T - 1) = 0
+        if any(best):
+            rate, T = -1.0, 1
+            for t in range(1, cap + 2):
+                r = sum(e[min(b, t - 1)] for e, b in zip(E, best)) / c[t - 1]
+                if r > rate * (1 + MARGIN):
+                    rate, T = r, t
+            ks = [min(b, T - 1) for b in best]
         self._probing = self.rounds % self.probe_every == 0
         if self._probing:  # rows at 0 try 1, rows below the cap try one deeper
             ks = [min(k + 1, cap) for k in ks]

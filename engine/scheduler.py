@@ -35,6 +35,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -65,6 +66,8 @@ ENCODER_CACHE_BYTES = 512 * 2**20
 #: runs): 4096 is one of the 12 blocks of a 1024 x 1024 picture, so an image is encoded across steps a few blocks
 #: at a time and running streams keep decoding meanwhile.
 ENCODER_PATCH_BLOCKS_PER_STEP = 4096
+#: `spec_k_stats` rebuilds the controller's cost table (for /health) at most this often: the worker asks every step.
+COST_TABLE_EVERY_S = 1.0
 
 
 class PoolTooLarge(RuntimeError):
@@ -184,6 +187,8 @@ class Scheduler:
         #: the speculation controller (None: fixed K); `spec_k_counts[k]`: rounds x rows that drafted k
         self.policy: KPolicy | None = None
         self.spec_k_counts = [0] * (self.k + 1)
+        self._table: dict[str, dict[str, float]] = {}
+        self._table_at = -math.inf
         self._cost_buckets = self.buckets or graph_buckets(max_num_seqs)
         if spec_policy is not None and self.k > 0:
             spec = dataclasses.replace(spec_policy, k_max=self.k)
@@ -221,14 +226,18 @@ class Scheduler:
         t0 = time.perf_counter()
         with torch.inference_mode():
             self.policy.cost = profile_costs(run, self._cost_buckets, self.k + 1)
+        self._table_at = -math.inf  # the next `spec_k_stats` shows the new table
         log.info("%s; cost table profiled in %.2f s (ms per round by batch bucket and width T): %s",
                  self.policy.spec.describe(), time.perf_counter() - t0, self.policy.table())
         return self.policy.cost
 
     def spec_k_stats(self) -> SpecKStats:
-        """Rows x rounds by drafted k since start, and the controller's cost table (ms; {} with fixed K)."""
+        """Rows x rounds by drafted k since start, and the controller's cost table (ms; {} with fixed K; rebuilt at
+        most every COST_TABLE_EVERY_S seconds)."""
         pol = self.policy
-        return SpecKStats(tuple(self.spec_k_counts), pol.table() if pol is not None and pol.spec.adaptive else {})
+        if pol is not None and pol.spec.adaptive and time.monotonic() - self._table_at >= COST_TABLE_EVERY_S:
+            self._table, self._table_at = pol.table(), time.monotonic()
+        return SpecKStats(tuple(self.spec_k_counts), self._table)
 
     def _plan_round(self) -> int:
         """Set each running row's k for this round (the controller's choice, when there is one); returns T. A

@@ -22,5 +22,8 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    from tests.interp_speed import install as _fast_interpreter
+
+    _fast_interpreter()  # the interpreter's own redundant re-patching skipped; see tests/interp_speed.py
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)

@@ -200,7 +200,8 @@ def run_greedy(m, prompts: list[list[int]], n_new: int, k: int, refs: list[list[
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_greedy_spec_equals_plain_through_kernels_and_graph_runner(dtype):
     """Three sessions batched through the scheduler's GraphRunner (bucket 4: one padding row on its scratch slot):
-    plain greedy (K = 0) and greedy spec with forced drafts (every n_acc path) give the same tokens, K = 1..4."""
+    plain greedy (K = 0) and greedy spec with forced drafts (every n_acc path) give the same tokens, K = 1..4 in
+    float32, K = 1 and 3 in bfloat16 (each K costs a run under the interpreter; the torch-path tests cover 1..8)."""
     m = _model(False, dtype, seed=5)
     g = torch.Generator().manual_seed(6)
     prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (5, 11, 2)]
@@ -215,7 +216,7 @@ def test_greedy_spec_equals_plain_through_kernels_and_graph_runner(dtype):
     with ops.force_kernels():
         plain, _ = run(0)
         assert all(len(p) == n_new for p in plain)
-        for k in range(1, 5):
+        for k in (range(1, 5) if dtype == "float32" else (1, 3)):
             out, ss = run(k, plain)
             assert out == plain, f"K={k}"
             assert sum(s.telem.accepted for s in ss) > 0 and sum(s.telem.rounds for s in ss) > 0

@@ -251,16 +251,19 @@ class MtpScratch:
 PREFILL_GRID = 256
 
 
-#: The finer grid a request's prompt end and generation end keep their state on (a divisor of PREFILL_GRID): the
-#: prefix cache keeps a "tail" there, the first t positions of a grid block (t a multiple of TAIL_GRID), so a
-#: conversation's next turn resumes within a few tokens of where the previous one stopped instead of up to 255. Tails
-#: are kept where a forward that stops at any position computes the bits of one that runs on (the C path), so the grid
-#: is only the index's granularity; on the kernel path it would have to be the GDN chunk (64), where chunks restart.
+#: A request's prompt keeps its state TAIL_MARGIN tokens before its end, and its generated tokens at their last
+#: multiple of TAIL_GRID (a divisor of PREFILL_GRID): the prefix cache keeps a "tail" there, the first t positions of a
+#: grid block (any 0 < t < PREFILL_GRID), so a conversation's next turn resumes where it parts from the previous one
+#: instead of up to 255 tokens before. Tails are kept where a forward that stops at any position computes the bits of
+#: one that runs on (the C path), so where they are is only the index's choice; on the kernel path they would have to
+#: be on the GDN chunk (64), where chunks restart. The generation tail stays on a grid because it is captured again
+#: each time the generated tokens cross it (each round at TAIL_GRID 1).
 TAIL_GRID = 16
-#: A prompt's tail is taken at least this many tokens before its end: a chat template's generation prompt
-#: (Qwen3.5's `<|im_start|>assistant\n<think>\n\n</think>\n\n`: the 4 tokens after `assistant\n`) ends the
-#: prompt, and the next turn renders that place otherwise.
-TAIL_MARGIN = 8
+#: A prompt's tail is taken this many tokens before its end: a chat template's generation prompt ends the prompt, and
+#: the next turn renders that place otherwise. Qwen3.5's `<|im_start|>assistant\n<think>\n\n</think>\n\n` (thinking
+#: off) is followed by the 4 tokens of the empty think block, which a later turn's history leaves out, so 4 puts the
+#: tail exactly where the two turns part (thinking on, `<think>\n`: 2 tokens before).
+TAIL_MARGIN = 4
 
 
 def _block_hash(prev: bytes, tokens: list[int], lo: int, hi: int, images: Sequence[tuple[int, int, str]],
@@ -293,8 +296,8 @@ def block_keys(tokens: list[int], n: int, root: bytes, prev: list[bytes] | None 
 
 def tail_key(tokens: list[int], b: int, t: int, root: bytes, keys: list[bytes],
              images: Sequence[tuple[int, int, str]] = ()) -> bytes:
-    """The key of the tail of grid block b that holds its first t positions (0 < t < PREFILL_GRID, a multiple of
-    TAIL_GRID): H(key_{b-1} | those token ids | their images | "tail" t), never equal to a whole block's key. keys:
+    """The key of the tail of grid block b that holds its first t positions (0 < t < PREFILL_GRID):
+    H(key_{b-1} | those token ids | their images | "tail" t), never equal to a whole block's key. keys:
     `block_keys` of at least the first b blocks."""
     return _block_hash(keys[b - 1] if b else root, tokens, b * PREFILL_GRID, b * PREFILL_GRID + t, images, True)
 
@@ -330,12 +333,13 @@ class PrefixCache:
     B-1 (the carrier of MTP row B-1, whose next token is the resuming prompt's). Resuming copies those into the
     session's pool slot (`restore`); nothing is shared by reference, so a session never holds a block.
 
-    Tails: the same for the first t positions of a block (t a multiple of TAIL_GRID below G: the state at bG + t),
+    Tails: the same for the first t positions of a block (0 < t < G: the state at bG + t),
     keyed by `tail_key` under the chain of the blocks before it and kept as a leaf of that chain (`insert_tail`,
     `lookup_tail`). The scheduler keeps them where a forward that stops at any position computes the bits one that
-    runs on does (the C path: `engine.prefill.steps_match_prefill`), at the end of a request's prompt and of its
-    generated tokens, so a conversation's next turn resumes within TAIL_GRID + TAIL_MARGIN - 1 tokens of where it
-    parts from the previous one.
+    runs on does (the C path: `engine.prefill.steps_match_prefill`), TAIL_MARGIN tokens before the end of a request's
+    prompt and at its generated tokens' last multiple of TAIL_GRID, so a conversation's next turn resumes where it
+    parts from the previous one. The index knows the tail lengths cached under each chain (`_tail_lens`), so a
+    lookup hashes only those.
 
     What a key collision can do: a key is a 128-bit hash, and the index holds at most one block per key, so two
     sequences whose keys collide cannot both be cached (the second is not inserted). It cannot return state computed
@@ -365,6 +369,8 @@ class PrefixCache:
         self._free: list[int] = []
         self._index: collections.OrderedDict[bytes, _Entry] = collections.OrderedDict()  # oldest first
         self._reserved: set[int] = set()
+        #: parent key (None: the first block) -> how many tails of each length the index holds under it
+        self._tail_lens: dict[bytes | None, collections.Counter[int]] = {}
         self.stats = PrefixCacheStats(capacity_bytes=self.capacity * self.block_bytes)
 
     # -- arena -------------------------------------------------------------------------------------------------
@@ -391,7 +397,8 @@ class PrefixCache:
             if have < self.capacity:
                 n = min(self.SLAB, self.capacity - have)
                 try:
-                    slab = self._slab(n)
+                    with torch.inference_mode(False):  # normal tensors: written in and out of inference mode
+                        slab = self._slab(n)
                     self._slabs.append(slab)
                     self._free.extend(range(have + n - 1, have - 1, -1))
                     self.stats.resident_bytes += sum(t.numel() * t.element_size() for t in slab)
@@ -411,6 +418,13 @@ class PrefixCache:
         for key, e in self._index.items():  # oldest first; a parent is never older than its children
             if e.children == 0:
                 del self._index[key]
+                if len(e.tokens) < PREFILL_GRID:  # a tail
+                    lens = self._tail_lens[e.parent]
+                    lens[len(e.tokens)] -= 1
+                    if lens[len(e.tokens)] == 0:
+                        del lens[len(e.tokens)]
+                        if not lens:
+                            del self._tail_lens[e.parent]
                 if e.parent is not None and e.parent in self._index:
                     self._index[e.parent].children -= 1
                 self._free.append(e.bid)
@@ -459,7 +473,7 @@ class PrefixCache:
         keys: their `block_keys`), leaving at least one token to prefill, as (arena id, t); None if none. Verified as
         a chain's blocks are (its tokens, its parent's key and id); touches it and its chain."""
         n, G = len(ids), PREFILL_GRID
-        for t in range(G - TAIL_GRID, 0, -TAIL_GRID):
+        for t in sorted(self._tail_lens.get(keys[n - 1] if n else None, ()), reverse=True):
             if n * G + t > len(tokens) - 1:
                 continue
             key = tail_key(tokens, n, t, self.root, keys, images)
@@ -590,7 +604,7 @@ class PrefixCache:
 
     def insert_tail(self, keys: list[bytes], tokens: list[int], b: int, t: int, slot: int, mtp_slot: int | None,
                     bid: int, images: Sequence[tuple[int, int, str]] = ()) -> bool:
-        """Cache the tail of block b that holds its first t positions (a multiple of TAIL_GRID below G) of a session
+        """Cache the tail of block b that holds its first t positions (0 < t < G) of a session
         in pool slot `slot` whose sequence starts with `tokens` (at least bG + t) and whose chain keys are `keys` (at
         least b): K/V rows bG..bG+t-1 and (mtp_slot not None) MTP rows bG-1..bG+t-2 from the pool; the GDN state at
         bG + t and its carrier were captured into the reserved `bid` (`capture_state`). Not inserted (and `bid`
@@ -598,8 +612,8 @@ class PrefixCache:
         own. Returns whether it was inserted."""
         G = PREFILL_GRID
         try:  # whatever raises gives the reserved block back: it is neither indexed nor lost
-            if not (0 < t < G and t % TAIL_GRID == 0):
-                raise ValueError(f"a tail holds a multiple of {TAIL_GRID} positions below {G}, not {t}")
+            if not 0 < t < G:
+                raise ValueError(f"a tail holds 1 to {G - 1} positions, not {t}")
             key = tail_key(tokens, b, t, self.root, keys, images)
             ids = self._chain(tokens, keys, b)
             if key in self._index or len(ids) < b or (mtp_slot is None) == self.mtp:
@@ -613,6 +627,7 @@ class PrefixCache:
         self._reserved.discard(bid)
         parent = keys[b - 1] if b else None
         self._index[key] = _Entry(bid, parent, ids[-1] if ids else None, tuple(tokens[b * G:b * G + t]))
+        self._tail_lens.setdefault(parent, collections.Counter())[t] += 1
         if parent is not None:
             self._index[parent].children += 1
         self._touch(key)

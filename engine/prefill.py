@@ -34,7 +34,7 @@ from .cache import PREFILL_GRID, ModelCache
 from .model.ops import cpu
 from .model.ops import dispatch as ops
 from .model.ops.matmul_fp8 import FP8
-from .model.qwen35 import FwdCtx, Qwen35ForCausalLM, rope_table
+from .model.qwen35 import FwdCtx, GatedDeltaNet, Qwen35ForCausalLM, rope_table
 from .session import SessionState, _queued_mtp_rows
 
 
@@ -97,6 +97,15 @@ def steps_match_prefill(model: Qwen35ForCausalLM) -> bool:
     return packs_rows(model) and not ops.use_triton(model.lm_head.weight)
 
 
+def splits_rows(model: Qwen35ForCausalLM) -> bool:
+    """Whether a prefill forward's row may carry several blocks of one prompt on the C path (`steps_match_prefill`
+    and every GDN layer fused): its recurrence runs token by token, so the row's blocks run as consecutive calls
+    with one call's bits, and each inner boundary's state stays in a window slot (the scheduler cuts a prompt's
+    last block at its tail without a forward of its own)."""
+    return steps_match_prefill(model) and all(layer.fused for layer in model.modules()
+                                               if isinstance(layer, GatedDeltaNet))
+
+
 @torch.inference_mode()
 def prefill_rows(model: Qwen35ForCausalLM, rows: list[SessionState], blocks: list[int] | None = None,
                  keep: list[list[int]] | None = None,
@@ -107,8 +116,9 @@ def prefill_rows(model: Qwen35ForCausalLM, rows: list[SessionState], blocks: lis
     MTP head writes their ready rows in one head forward (so the head's forwards are those of one block per
     forward), the rows that ended their prompt choose their first token, and `after_block(j, rows)` sees the rows
     that completed block j (the prefix cache writes it there). Several blocks in a row need the kernel path (the
-    GDN chunks restart at each block: `FwdCtx.seg`); keep[i]: the window slot for the GDN and conv state at each of
-    row i's inner block boundaries (-1: not kept; never the live slot), so the caller can cache every block.
+    GDN chunks restart at each block: `FwdCtx.seg`) or the C path (`splits_rows`); keep[i]: the window slot for
+    the GDN and conv state at each of row i's inner block boundaries (-1: not kept; never the live slot; on the C
+    path each must be kept), so the caller can cache every block.
 
     Rows are right-padded to the longest: the padding's K/V land past the row's length (overwritten later) and its
     GDN tokens leave the state unchanged (`FwdCtx` lens), so each row ends in the state of its own tokens. The caller

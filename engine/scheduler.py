@@ -21,10 +21,10 @@ where decode steps reach the states a prefill does (`engine.prefill.steps_match_
 commit crossed it (the GDN state is captured at once from its recorded window slot, the rest once the
 MTP head has written the block's rows). A hit gives the same bits as a miss: the blocks are those a prefill of the
 same tokens computes. There too (a forward that stops anywhere computes what one that runs on does), every session
-keeps two tails (`PrefixCache.insert_tail`: a block's first positions, up to a multiple of TAIL_GRID): at its prompt's last
-TAIL_GRID boundary TAIL_MARGIN tokens or more before its end (the block holding it stops there first:
-`SessionState.block_len`) and at the last one its generated tokens crossed (written when it finishes), so the next
-turn of a conversation resumes within TAIL_GRID + TAIL_MARGIN - 1 tokens of where the two turns part.
+keeps two tails (`PrefixCache.insert_tail`: a block's first positions): TAIL_MARGIN tokens before its prompt's end (the
+block holding that position stops there first: `SessionState.block_len`) and at the last multiple of TAIL_GRID its
+generated tokens crossed (written when it finishes), so the next turn of a conversation resumes where the two turns
+part.
 
 On CUDA (with triton) the round's forwards replay CUDA graphs (engine/graphs.py `GraphRunner`): the scheduler
 picks the batch-size buckets (`graph_buckets(max_num_seqs)`) and reserves the scratch pool slots that bucket
@@ -41,7 +41,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache import PREFILL_GRID, TAIL_GRID, GdnPool, PrefixCache, PrefixCacheStats, StatePool, block_keys, pool_bytes
+from .cache import (PREFILL_GRID, TAIL_GRID, TAIL_MARGIN, GdnPool, PrefixCache, PrefixCacheStats, StatePool, block_keys,
+                    pool_bytes)
 from .encoder import ImageEncoder, image_patches
 from .graphs import EAGER, GraphRunner, StepRunner, graph_buckets, padding_rows
 from .images import VisionStats
@@ -49,7 +50,7 @@ from .kpolicy import KPolicy, KPolicySpec, SpecKStats, profile_costs
 from .model.ops import cpu
 from .model.ops import dispatch as ops
 from .model.qwen35 import Qwen35ForCausalLM
-from .prefill import flush_mtp_rows, packs_rows, prefill_kernels, prefill_rows, steps_match_prefill
+from .prefill import flush_mtp_rows, packs_rows, prefill_kernels, prefill_rows, splits_rows, steps_match_prefill
 from .spec import SpecSession, spec_round
 
 log = logging.getLogger("nextn.scheduler")
@@ -184,6 +185,8 @@ class Scheduler:
             self.cache = PrefixCache(self.pool, prefix_cache_bytes, identity)
             self._decode_blocks = steps_match_prefill(model)
         self._tails = self._decode_blocks  # tails need a block that splits anywhere with the same bits
+        # ... and where a row may carry two blocks (C path), a prompt's tail cut costs no forward of its own
+        self._split_tails = self._tails and splits_rows(model) and self.pool.window >= 2
         #: the speculation controller (None: fixed K); `spec_k_counts[k]`: rounds x rows that drafted k
         self.policy: KPolicy | None = None
         self.spec_k_counts = [0] * (self.k + 1)
@@ -272,7 +275,7 @@ class Scheduler:
         cache = (f"prefix cache: up to {pc.capacity} blocks of {PREFILL_GRID} tokens "
                  f"({pc.stats.capacity_bytes / 2**20:.1f} MiB, {pc.block_bytes / 2**20:.2f} MiB a block; generated "
                  f"tokens' blocks {'kept' if self._decode_blocks else 'not kept: decode steps round differently'}; "
-                 f"{f'tails on the {TAIL_GRID}-token grid' if self._tails else 'no tails'})"
+                 f"{f'prompt tails {TAIL_MARGIN} tokens before the end' if self._tails else 'no tails'})"
                  if pc is not None else "prefix cache: off")
         return (f"state pool: {p.slots} slots x {p.capacity} positions, {p.window} GDN state slots each: "
                 f"KV {mib['kv']:.1f} MiB, GDN {mib['gdn']:.1f} MiB, MTP {mib['mtp']:.1f} MiB "
@@ -385,7 +388,7 @@ class Scheduler:
         for s in rows:
             w = self._writer(s)
             L = s.cache.length
-            if w is not None and self._tails and L % TAIL_GRID == 0 and L % PREFILL_GRID and w.tail is None:
+            if w is not None and self._tails and s.prefill_left == TAIL_MARGIN and L % PREFILL_GRID and w.tail is None:
                 self._capture_tail(s, w, "tail", L, at.get(s, s.cache.cur), s.last_pre)
                 self._write_tails(s)
             if w is None or L % PREFILL_GRID or L // PREFILL_GRID <= w.next:
@@ -402,7 +405,7 @@ class Scheduler:
 
     def _capture_tail(self, s: SpecSession, w: _Writes, which: str, B: int, window_slot: int,
                       pre_last: torch.Tensor) -> None:
-        """Capture the GDN state at position B (off the prefill grid, on TAIL_GRID) from `window_slot` and its
+        """Capture the GDN state at position B (off the prefill grid) from `window_slot` and its
         carrier into `w`'s prompt-end (`which` "tail") or generation-end ("gen_tail") tail, reserving a block the
         first time (none free: no tail). If that raises, `s` alone fails."""
         pc = self.cache
@@ -598,11 +601,12 @@ class Scheduler:
                 break  # arrival order: a later prompt never overtakes one that waits for budget
         return out + failed
 
-    def _forwards(self, rows: list[SpecSession]) -> list[list[SpecSession]]:
+    def _forwards(self, rows: list[SpecSession], two: set[SpecSession] = frozenset()) -> list[list[SpecSession]]:
         """One wave's forwards, in order: one row each unless the model's prefill is row-wise (`packs_rows`, asked again
         on the kernel path: a kernel that fell back to its twin since ends the packing); then a
         row joins the previous forward while its padded size (rows x longest block) stays within
-        max_num_batched_tokens and every row's slot has room for the padding, else it starts the next one."""
+        max_num_batched_tokens and every row's slot has room for the padding, else it starts the next one (a row in
+        `two` counts its two blocks)."""
         if not self.packs or (self._prefill_kernels is not None
                               and not packs_rows(self.model, self._prefill_kernels)):
             return [[s] for s in rows]
@@ -610,7 +614,7 @@ class Scheduler:
         for s in rows:
             if out:
                 group = out[-1]
-                T = max(x.next_chunk_len for x in (*group, s))
+                T = max(x.chunks_len(2 if x in two else 1) for x in (*group, s))
                 if (len(group) + 1) * T <= self.max_num_batched_tokens and \
                         all(x.cache.length + T <= self.pool.capacity for x in (*group, s)):
                     group.append(s)
@@ -646,8 +650,10 @@ class Scheduler:
         if not self._multiblock():
             for wave in range(max((n for _, n in grants), default=0)):
                 rows = [s for s, n in grants if n > wave and s.prefilling and not s.finished]
+                # C path: a block cut at the prompt's tail shares its forward with the prompt's rest when granted
+                two = {s for s, n in grants if n > wave + 1 and s in rows and self._tail_cut_next(s)}
                 if rows:
-                    self._prefill(rows)
+                    self._prefill(rows, two)
             return
         left = {s: n for s, n in grants if n > 0}
         while True:
@@ -671,8 +677,9 @@ class Scheduler:
                 left[s] -= take[s]
 
     def _prefill_row_blocks(self, group: list[SpecSession], blocks: list[int]) -> None:
-        """One forward of `group`, blocks[i] grid blocks of session i in its row (kernel path); the prefix cache
-        writes each completed block (`_write_prefilled`), an inner boundary's from the window slot it was kept in."""
+        """One forward of `group`, blocks[i] blocks of session i in its row (kernel path: grid blocks; C path: a
+        block cut at the prompt's tail and the rest); the prefix cache writes each completed block or tail
+        (`_write_prefilled`), an inner boundary's from the window slot it was kept in."""
         keep: list[list[int]] = []
         for s, n in zip(group, blocks):
             free = [w for w in range(self.pool.window) if w != s.cache.cur] if self._writer(s) is not None else []
@@ -691,17 +698,28 @@ class Scheduler:
             for s in group:
                 s.fail(e)
 
-    def _prefill(self, rows: list[SpecSession]) -> None:
-        """One block of each row's prompt (one wave), in the forwards `_forwards` chooses. A prompt that fails fails
-        its own request; a failing batched forward fails the sessions of that forward."""
-        for group in self._forwards(rows):
+    def _tail_cut_next(self, s: SpecSession) -> bool:
+        """Whether s's next block stops at its prompt's tail, the prompt's last TAIL_MARGIN tokens after it, and the
+        two may share one row of one forward (`splits_rows`; the tail's state kept in a spare window slot)."""
+        return self._split_tails and not s.images and self._writer(s) is not None \
+            and s.prefill_left - s.next_chunk_len == TAIL_MARGIN
+
+    def _prefill(self, rows: list[SpecSession], two: set[SpecSession] = frozenset()) -> None:
+        """One block of each row's prompt (one wave), in the forwards `_forwards` chooses; rows in `two` carry their
+        prompt's last two blocks (a block cut at the tail, then the rest) in their row, the state at the cut kept in
+        a window slot for the prefix cache. A prompt that fails fails its own request; a failing batched forward
+        fails the sessions of that forward."""
+        for group in self._forwards(rows, two):
+            if any(s in two for s in group):
+                self._prefill_row_blocks(group, [2 if s in two else 1 for s in group])
+                continue
             try:
                 prefill_rows(self.model, group)
             except Exception as e:  # noqa: BLE001 - the batched part failed: every row of it is in doubt
                 for s in group:
                     s.fail(e)
-        if self.cache is not None:
-            self._write_prefilled(rows)
+            if self.cache is not None:
+                self._write_prefilled(group)
 
     def step(self) -> StepResult:
         """One round for the running sessions, then prefill blocks under the token budget."""

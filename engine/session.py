@@ -10,7 +10,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from .cache import PREFILL_GRID, TAIL_GRID, TAIL_MARGIN, ModelCache, MtpScratch, StatePool
+from .cache import PREFILL_GRID, TAIL_MARGIN, ModelCache, MtpScratch, StatePool
 from .encoder import encode_image
 from .forward import mtp_head_forward
 from .images import ImageInput, mrope_positions, mrope_table_rows
@@ -397,11 +397,11 @@ class SessionState:
     def block_len(self, pos: int, left: int) -> int:
         """Tokens of the prompt block that starts at position pos with `left` tokens still queued: up to the next
         multiple of PREFILL_GRID (absolute positions) or the prompt's end; with `tail_cut`, the block that holds the
-        last TAIL_GRID boundary TAIL_MARGIN tokens or more before the prompt's end stops first there (the rest of it
-        is a block of its own)."""
+        position TAIL_MARGIN tokens before the prompt's end stops first there (the rest of it is a block of its
+        own)."""
         c = min(left, PREFILL_GRID - pos % PREFILL_GRID)
         if self.tail_cut:
-            cut = (pos + left - TAIL_MARGIN) // TAIL_GRID * TAIL_GRID
+            cut = pos + left - TAIL_MARGIN
             if pos < cut < pos + c:
                 c = cut - pos
         return c

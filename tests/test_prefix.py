@@ -147,7 +147,7 @@ def test_every_k_from_0_to_8_and_a_cache_hit_at_each(model):
         _same(_alone(model, prompt, 12, k=k, capmax=8).rows, ref.rows, f"K={k} alone")
         hit = Rows(model, prompt, 12, k=k, capmax=8, pool=sched.pool)
         _run(sched, {0: [hit]})
-        assert hit.cached_tokens == (len(prompt) - TAIL_MARGIN) // TG * TG > 2 * G  # the prompt's tail
+        assert hit.cached_tokens == len(prompt) - TAIL_MARGIN > 2 * G  # the prompt's tail
         _same(hit.rows, ref.rows, f"K={k} from the cache")
 
 
@@ -161,7 +161,7 @@ def test_a_long_prompt_past_2000_tokens(model):
     _same(s.rows, ref.rows, "2031 tokens under load")
     hit = Rows(model, prompt, 6, k=3, pool=sched.pool)
     _run(sched, {0: [hit]})
-    assert hit.cached_tokens == (2031 - TAIL_MARGIN) // TG * TG > 7 * G  # the prompt's tail
+    assert hit.cached_tokens == 2031 - TAIL_MARGIN > 7 * G  # the prompt's tail
     _same(hit.rows, ref.rows, "2031 tokens from the cache")
 
 
@@ -206,18 +206,20 @@ def test_a_conversation_hits_through_the_previous_answer(model):
 
 @pytest.mark.parametrize("k2", [3, 0, 8])
 def test_the_next_turn_resumes_at_the_prompts_tail(model, k2):
-    """A prompt keeps its state at its last TAIL_GRID boundary (its last block stops there first): a next turn that
-    shares the prompt but not the answer resumes there, at any K, with a cold run's bits; one that differs before
-    it resumes at the last whole block (a tail's tokens are compared)."""
+    """A prompt keeps its state TAIL_MARGIN tokens before its end (its last block stops there first): a next turn
+    that shares the prompt, or only the prompt up to there (as a chat template's next turn does), resumes there, at
+    any K, with a cold run's bits; one that differs before it resumes at the last whole block (a tail's tokens are
+    compared)."""
     V = model.config.vocab_size
     sched = _sched(model, cache_mb=64, k=8)
     turn1 = _prompt(V, G + 100, 23)  # the last block [G, G + 100) stops first at its tail
-    tail = (len(turn1) - TAIL_MARGIN) // TG * TG
+    tail = len(turn1) - TAIL_MARGIN
     a = SpecSession(model, turn1, 6, k=3, pool=sched.pool)
     _run(sched, {0: [a]})
     assert a.prefill_tokens == len(turn1)
-    assert G < tail < G + 100 - TAIL_MARGIN - 1
+    assert G < tail < G + 100
     for turn2, at in ((turn1 + _prompt(V, 40, 24), tail),
+                      (turn1[:tail] + _prompt(V, 50, 28), tail),  # parts exactly at the tail
                       (turn1[:G + 30] + _prompt(V, 80, 25), G)):  # differs at G + 30, inside the tail
         ref = _alone(model, turn2, 10, k=k2, capmax=8)
         b = Rows(model, turn2, 10, k=k2, capmax=8, pool=sched.pool)
@@ -227,20 +229,53 @@ def test_the_next_turn_resumes_at_the_prompts_tail(model, k2):
         assert b.telem == ref.telem
 
 
+def test_a_prompts_tail_cut_shares_the_forward_of_the_prompts_rest(model, monkeypatch):
+    """On the C path the block cut at a prompt's tail and the prompt's last TAIL_MARGIN tokens run as one row of one
+    forward (the state at the cut kept in a window slot), not as a forward of their own; a row beside it in the same
+    forward carries one block; both have a cold run's bits, and the tail they leave is exact."""
+    import engine.scheduler as scheduler_mod
+    V = model.config.vocab_size
+    forwards: list[list[int]] = []
+    real = scheduler_mod.prefill_rows
+
+    def spy(m, rows, blocks=None, *a, **kw):
+        forwards.append(list(blocks) if blocks is not None else [1] * len(rows))
+        return real(m, rows, blocks, *a, **kw)
+
+    monkeypatch.setattr(scheduler_mod, "prefill_rows", spy)
+    sched = _sched(model, cache_mb=64)
+    p1, p2 = _prompt(V, G + 40, 91), _prompt(V, 30, 92)
+    a, b = (Rows(model, p, 6, k=3, pool=sched.pool) for p in (p1, p2))
+    _run(sched, {0: [a, b]})
+    assert forwards == [[1, 2], [2]]  # block 0 of p1 beside p2 (cut and rest), then p1's cut and rest
+    for s, p in ((a, p1), (b, p2)):
+        _same(s.rows, _alone(model, p, 6).rows, "a prompt whose tail cut shares its forward")
+    monkeypatch.undo()
+    for p in (p1, p2):
+        hit = Rows(model, p + _prompt(V, 5, 93), 6, k=3, pool=sched.pool)
+        _run(sched, {0: [hit]})
+        assert hit.cached_tokens == len(p) - TAIL_MARGIN
+        _same(hit.rows, _alone(model, p + _prompt(V, 5, 93), 6).rows, "from a tail kept in a window slot")
+
+
 def test_tails_are_leaves_of_their_chain(model):
     """A tail hangs under its chain's last block: eviction takes the tail before that block, lookup_tail verifies
     its tokens and parent, and insert_tail refuses a tail whose chain is not cached."""
     V = model.config.vocab_size
     sched = _sched(model, cache_mb=64)
-    prompt = _prompt(V, G + 2 * TG + TAIL_MARGIN + 4, 26)  # its tail: the first 2 TG of block 1
+    t = 37
+    prompt = _prompt(V, G + t + TAIL_MARGIN, 26)  # its tail: the first t positions of block 1
     a = SpecSession(model, prompt, 2, k=3, pool=sched.pool)
     _run(sched, {0: [a]})
     pc = sched.cache
     keys = block_keys(prompt, 1, pc.root)
     ids = pc.lookup(prompt, keys)
-    assert len(ids) == 1 and pc.lookup_tail(prompt, keys, ids) == (pc.lookup_tail(prompt, keys, ids)[0], 2 * TG)
-    assert pc.lookup_tail(prompt[:G + 2 * TG] + [prompt[G + 2 * TG] ^ 1] + prompt[G + 2 * TG + 1:], keys, ids) \
+    assert len(ids) == 1 and pc.lookup_tail(prompt, keys, ids) == (pc.lookup_tail(prompt, keys, ids)[0], t)
+    assert pc.lookup_tail(prompt[:G + t] + [prompt[G + t] ^ 1] + prompt[G + t + 1:], keys, ids) \
         is not None  # the tokens after the tail do not matter
+    assert pc.lookup_tail(prompt[:G + t], keys, ids) is None  # at least one token is left to prefill
+    changed = prompt[:G + t - 1] + [(prompt[G + t - 1] + 1) % V] + prompt[G + t:]
+    assert pc.lookup_tail(changed, keys, ids) is None  # its last token counts
     changed = prompt[:G + 5] + [(prompt[G + 5] + 1) % V] + prompt[G + 6:]
     assert pc.lookup_tail(changed, keys, ids) is None
     assert pc.lookup_tail(prompt, keys, []) is None  # not under another chain
@@ -287,11 +322,11 @@ def test_sessions_on_one_new_prefix_compute_it_once_and_agree(model):
     assert [s.prefill_tokens for s in ss] == [2 * G + 9, 30, 9]
     later = Rows(model, base, 8, k=3, pool=sched.pool)
     _run(sched, {0: [later]})
-    assert later.cached_tokens == 2 * G
+    assert later.cached_tokens == len(base) - TAIL_MARGIN  # the first one's prompt tail
     for s, ref in zip(ss + [later], refs + refs[:1]):
         _same(s.rows, ref.rows, "same prefix at once")
     st = sched.prefix_stats()
-    assert st.queries == sum(map(len, prompts)) + len(base) and st.hits == 3 * 2 * G
+    assert st.queries == sum(map(len, prompts)) + len(base) and st.hits == 2 * 2 * G + later.cached_tokens
 
 
 def test_eviction_under_a_tiny_budget_keeps_hits_exact(model):
@@ -306,10 +341,10 @@ def test_eviction_under_a_tiny_budget_keeps_hits_exact(model):
     for p in prompts:
         _run(sched, {0: [SpecSession(model, p, 2, k=3, pool=sched.pool)]})
         assert pc.stats.blocks <= 3 and pc.stats.bytes == pc.stats.blocks * block
-    # the oldest chain went first, leaf before root; the newest chain is whole
+    # the oldest chain went first, leaf before root; the newest chain is whole (its two blocks and its tail)
     last = Rows(model, prompts[-1], 6, k=3, pool=sched.pool)
     _run(sched, {0: [last]})
-    assert last.cached_tokens == 2 * G
+    assert last.cached_tokens == len(prompts[-1]) - TAIL_MARGIN
     _same(last.rows, _alone(model, prompts[-1], 6).rows, "after evictions")
     first = Rows(model, prompts[0], 6, k=3, pool=sched.pool)
     _run(sched, {0: [first]})
@@ -353,7 +388,7 @@ def test_stats_count_queried_and_hit_tokens(model):
     for _ in range(2):
         _run(sched, {0: [SpecSession(model, prompt, 2, k=3, pool=sched.pool)]})
     st = sched.prefix_stats()
-    assert (st.queries, st.hits) == (2 * len(prompt), G)
+    assert (st.queries, st.hits) == (2 * len(prompt), len(prompt) - TAIL_MARGIN)  # the second hits the tail
     assert st.blocks >= 1 and st.bytes == st.blocks * sched.cache.block_bytes and st.capacity_bytes >= st.bytes
 
 

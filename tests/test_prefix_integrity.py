@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.cache import PREFILL_GRID as G
-from engine.cache import PrefixCache, StatePool, block_keys
+from engine.cache import TAIL_MARGIN, PrefixCache, StatePool, block_keys
 from engine.loader import load_model
 from engine.scheduler import Scheduler
 from engine.spec import SpecSession
@@ -57,7 +57,7 @@ def test_an_eviction_after_a_restore_leaves_the_sessions_carrier_alone(model, hi
     the MTP row it feeds) is B's own copy: unchanged, and B's logits, drafts and MTP rows are a cold run's bits.
     (B finishes before its slot could be reused, so its MTP rows are still there to compare.)"""
     V = model.config.vocab_size
-    prompt = _prompt(V, G + 20, 3)
+    prompt = _prompt(V, G + TAIL_MARGIN, 3)  # its tail would be block 0 itself: the one block holds the prefix
     cold = Rows(model, prompt, 12, k=3, hidden_mode=hidden_mode)
     cold.run()
     probe = Scheduler(model, max_num_seqs=2, max_model_len=1024, k=3, max_num_batched_tokens=512,

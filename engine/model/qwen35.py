@@ -233,9 +233,10 @@ class FwdCtx:
         after a prompt with images). Both go to every path as rows (`rope_rows`); a delta of all zeros is the
         plain context, so a text-only forward keeps its bits.
 
-        seg, keep (a prefill forward on the kernel path whose rows carry several grid blocks of one prompt): row i's
-        blocks' lengths (summing to its length) and, for each boundary between two of them, the window slot that
-        receives the GDN and conv state there (-1: not kept; never read[i] or write0[i]); see `block_bounds`."""
+        seg, keep (a prefill forward whose rows carry several blocks of one prompt: grid blocks on the kernel path; on
+        the C path a prompt block cut at the prompt's tail, `engine.prefill.splits_rows`): row i's blocks' lengths
+        (summing to its length) and, for each boundary between two of them, the window slot that receives the GDN
+        and conv state there (-1: not kept; never read[i] or write0[i]); see `block_bounds`."""
         N = len(slots)
         if seg is not None:
             assert len(seg) == N and all(sum(b) == (T if lens is None else lens[i]) for i, b in enumerate(seg))
@@ -528,6 +529,11 @@ class GatedDeltaNet(nn.Module):
         self._decay: tuple[torch.Tensor, torch.Tensor] | None = None  # -exp(A_log), dt_bias (`fuse`)
         self._split = [C, self.nv * self.dv, self.nv, self.nv]
 
+    @property
+    def fused(self) -> bool:
+        """Whether `fuse` ran (the C path's fused step, and its several blocks a row, need it)."""
+        return self._w_in is not None
+
     def fuse(self) -> None:
         """Serve with one input GEMM for qkv|z|b|a (the separate weights become views of it), and the decay's
         constant factors -exp(A_log), dt_bias in the state dtype computed once."""
@@ -541,6 +547,28 @@ class GatedDeltaNet(nn.Module):
         sdt = torch.float64 if self.A_log.dtype == torch.float64 else torch.float32
         return -self.A_log.detach().to(sdt).exp(), self.dt_bias.detach().to(sdt)
 
+    def _cpu_blocks(self, proj: torch.Tensor, ctx: FwdCtx, st: "GdnPool") -> torch.Tensor:
+        """The fused C step of a prefill forward whose rows carry several blocks (`ctx.seg`): the C recurrence runs
+        token by token, so a row's blocks run as consecutive calls, block j reading the state where block j-1 left it,
+        with the bits of one call; each inner boundary's state (recurrent and conv) stays in the window slot
+        `ctx.keep` names for it (each must name one). proj [N, T, P] -> [N, T, nv*dv] (padding rows zero)."""
+        assert ctx.seg is not None and ctx.keep is not None and ctx.slots is not None
+        assert ctx.read is not None and ctx.write0 is not None
+        N, T, _ = proj.shape
+        o = proj.new_zeros(N, T, self.nv * self.dv)  # [N, T, nv*dv]
+        consts = (*self._decay_consts(), self.norm.weight, self.norm.eps, self.nk, self.dk, self.nv, self.dv)
+        for i, (blocks, kept) in enumerate(zip(ctx.seg, ctx.keep)):
+            if any(w < 0 or w in (ctx.read[i], ctx.write0[i]) for w in kept):
+                raise ValueError("the C path keeps every inner block boundary's state in a window slot of its own")
+            at, read = 0, ctx.read[i]
+            for j, n in enumerate(blocks):
+                write = kept[j] if j < len(kept) else ctx.write0[i]
+                o[i:i + 1, at:at + n] = cpu.gdn_step(
+                    proj[i:i + 1, at:at + n], self.conv1d.weight[:, 0, :], st.conv, st.rec, [ctx.slots[i]], [read],
+                    [write], *consts, False)  # [1, n, nv*dv]
+                at, read = at + n, write
+        return o
+
     def forward(self, x: torch.Tensor, ctx: FwdCtx | None, st: "GdnPool | None") -> torch.Tensor:
         """x: [N, T, H] -> [N, T, H]. Without `ctx`: zero initial state, chunked form. With `ctx`: conv and
         recurrent state read from window slot read_i of row i's pool slot; recording forwards run the recurrent
@@ -553,18 +581,20 @@ class GatedDeltaNet(nn.Module):
         dt = x.dtype
         sdt = torch.float64 if dt == torch.float64 else torch.float32
         grid = ctx is not None and st is not None and ctx.prefill_kernels("gdn_prefill", x)
-        if ctx is not None and ctx.seg is not None and not grid:
-            raise ValueError("several grid blocks in one row need the prefill kernels (FwdCtx.seg)")
         if self._w_in is not None:
             proj = linear(x, self._w_in, ctx)  # [N, T, C + nv*dv + 2 nv]
             if not grid and ctx is not None and st is not None and ctx.cpu_kernels \
                     and cpu.usable(proj, self.kc):  # fused C
                 assert ctx.slots is not None and ctx.read is not None and ctx.write0 is not None
+                if ctx.seg is not None:
+                    return linear(self._cpu_blocks(proj, ctx, st), self.out_proj.weight, ctx)
                 o = cpu.gdn_step(proj, self.conv1d.weight[:, 0, :], st.conv, st.rec, ctx.slots, ctx.read,
                                  ctx.write0, *self._decay_consts(), self.norm.weight, self.norm.eps, self.nk,
                                  self.dk, self.nv, self.dv, ctx.record, ctx.lens)  # [N, T, nv*dv]
                 return linear(o, self.out_proj.weight, ctx)
             qkv, z, b, a = proj.split(self._split, dim=-1)
+        if ctx is not None and ctx.seg is not None and not grid:
+            raise ValueError("several blocks in one row need the prefill kernels or the C kernel (FwdCtx.seg)")
         else:
             qkv, z, b, a = (linear(x, m.weight, phase=matmul_phase(ctx))
                             for m in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a))

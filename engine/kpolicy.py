@@ -8,7 +8,9 @@
   * the cost table c(B, T): seconds of one round of B rows (a batch-size bucket) at verify width T, profiled at
     startup on the real model (`profile_costs`: the forwards alone) and refined by an EMA of measured round times
     (`observe_time`); a width not measured yet is its profile plus the bucket's measured overhead (the host's work
-    of a round, which the profile leaves out: without it deeper widths would look dearer than they are).
+    of a round, which the profile leaves out: without it deeper widths would look dearer than they are), and a
+    measured width's own estimate fades back to that (by `STALE` for every round of its bucket at another width),
+    so one slow measurement cannot keep a width unchosen, and so unmeasured again, for good.
 A row expects E(k) = 1 + sum_{j<k} prod_{i<=j} a_i tokens from k drafts. Each row's own best k* maximises E(k) /
 c(B, k+1); the batch's T maximises sum_r E_r(min(k*_r, T-1)) / c(B, T), rows drafting min(k*_r, T-1). Rows at
 k = 0 are probed at k = 1 on probe rounds (every `PROBE_EVERY` rounds, doubling up to `PROBE_MAX` while probes
@@ -36,6 +38,9 @@ PROBE_MAX = 256
 #: busy host's outliers).
 COST_EMA = 0.2
 SPIKE = 1.5
+#: A measured width's deviation from its profile + the bucket's overhead is multiplied by this for every round of
+#: its bucket that ran another width (half-life ~23 rounds).
+STALE = 0.97
 #: Widths T are kept unless another's rate is this much better (ties: the smaller T).
 MARGIN = 1e-3
 
@@ -104,6 +109,8 @@ class KPolicy:
     rows: dict[Hashable, _Est] = field(default_factory=dict)
     seen: dict[tuple[int, int], float] = field(default_factory=dict)  # measured round seconds (EMA) by (B, T)
     overhead: dict[int, float] = field(default_factory=dict)  # measured - profiled seconds (EMA) by bucket
+    _measured: dict[int, int] = field(default_factory=dict)  # rounds measured by bucket
+    _at: dict[tuple[int, int], int] = field(default_factory=dict)  # (B, T) -> its bucket's count when last measured
     pool: _Est | None = None
     rounds: int = 0
     probe_every: int = PROBE_EVERY
@@ -211,18 +218,25 @@ class KPolicy:
         self._probe_hits += n_acc if self._probing else 0
 
     def seconds(self, B: int, T: int) -> float:
-        """Estimated seconds of a round of bucket B at width T: measured, else profiled + the bucket's overhead."""
+        """Estimated seconds of a round of bucket B at width T: the profile + the bucket's overhead, moved to the
+        width's measured EMA, fully when that width ran the bucket's last measured round, then less by `STALE` for
+        each of the bucket's rounds since."""
+        prior = self.cost[(B, T)] + self.overhead.get(B, 0.0)
         got = self.seen.get((B, T))
-        return got if got is not None else self.cost[(B, T)] + self.overhead.get(B, 0.0)
+        if got is None:
+            return prior
+        return prior + (got - prior) * STALE ** (self._measured[B] - self._at[(B, T)])
 
     def observe_time(self, n: int, T: int, seconds: float) -> None:
-        """The round's wall time (n rows at width T) refines the cost table (an EMA); closes a probe round."""
+        """The round's wall time (n rows at width T) refines the cost table (an EMA from the width's estimate now);
+        closes a probe round."""
         B = self.bucket(n)
         if (B, T) in self.cost:
-            old = self.seen.get((B, T))
+            old = self.seconds(B, T) if (B, T) in self.seen else None
             seconds = seconds if old is None else min(seconds, SPIKE * old)
             old = seconds if old is None else old
             self.seen[(B, T)] = old + COST_EMA * (seconds - old)
+            self._at[(B, T)] = self._measured[B] = self._measured.get(B, 0) + 1
             d = seconds - self.cost[(B, T)]
             self.overhead[B] = self.overhead.get(B, d) + COST_EMA * (d - self.overhead.get(B, d))
         if self._probing:  # a probe that found nothing waits twice as long for the next one

@@ -192,3 +192,27 @@ def test_measured_round_times_refine_the_table_and_unmeasured_widths_carry_the_o
     pol.observe_time(1, 1, 3.0)
     assert pol.seconds(1, 1) == pytest.approx(2.0 + 0.2 * 1.0)  # an EMA
     assert pol.table()["1"]["1"] == pytest.approx(2200.0)
+
+
+def test_a_width_not_run_for_a_while_returns_to_its_profile_plus_the_overhead():
+    pol = _policy()
+    pol.observe_time(1, 1, 5.0)  # one slow round at T = 1 (a busy host)
+    assert pol.seconds(1, 1) == 5.0
+    for _ in range(200):
+        pol.observe_time(1, 4, 1.3 + 0.5)  # then T = 4 runs, the host adding 0.5 a round
+    assert pol.seconds(1, 4) == pytest.approx(1.8)
+    assert pol.seconds(1, 1) == pytest.approx(1.0 + 0.5, abs=0.01)  # its own measurement faded (STALE ** 200)
+    pol.observe_time(1, 1, 1.5)
+    assert pol.seconds(1, 1) == pytest.approx(1.5, abs=0.01)  # measured again: the EMA starts from the estimate
+
+
+def test_one_slow_round_does_not_keep_the_batch_off_its_best_width():
+    """A good row (accepts everything) beside a bad one (accepts nothing), drafts dear (each 60% of a plain step):
+    the batch is best at T = 1 (2 tokens / 1.0 s, against 3 / 1.6 at T = 2). One slow T = 1 round makes T = 2 look
+    better; T = 2 then runs and T = 1 is not measured again, but its estimate fades back to its profile and the
+    batch returns to T = 1."""
+    pol = _policy(cost=lambda t: 1.0 + 0.6 * (t - 1))
+    pol.observe_time(2, 1, 2.0)
+    plans = _feed(pol, ["good", "bad"], 300, lambda r, k: k if r == "good" else 0)
+    assert sum(max(ks) == 1 for ks in plans[:40]) > 20  # T = 2 ran for a while (the old EMA kept it for good)
+    assert plans[-1] == [0, 0] or plans[-2] == [0, 0]  # (one of two may be a probe round)

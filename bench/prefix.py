@@ -1,13 +1,14 @@
 """Long prompts and conversations: the prefix cache's gain on a multi-turn workload, and long-prompt prefill through
 `nextn serve` against transformers' forward. Ratios from one run (bench/RESULTS.md records them with this command).
 
-    python bench/prefix.py multiturn [--model demo|0.8b] [--conversations 8] [--turns 6] [--max-tokens 32]
+    python bench/prefix.py multiturn [--model demo|0.8b] [--conversations 8] [--turns 6] [--max-tokens 32] [--repeat 1]
     python bench/prefix.py long [--lengths 1000,4000,16000] [--repeat 1]
     python bench/prefix.py copy [--tokens 2048]
 
 multiturn: N conversations of T turns run at once through `nextn serve` (chat, streaming, greedy), every one
 starting with the same ~2,000-token system prompt (tool definitions) and a user message of its own; each turn sends
-the conversation so far. Run twice, on a server with the prefix cache and on one with `--prefix-cache-gb 0`: time to
+the conversation so far. Run on a server with the prefix cache and on one with `--prefix-cache-gb 0`, both up at once
+(`--repeat N`: N runs on each, interleaved, each opening with other questions, the later turns' TTFT pooled): time to
 first token of turns 2..T (median and mean over the conversations' turns), the workload's wall time (aggregate
 throughput = completion tokens / wall time), the hit rate (cached / prompt tokens, from the responses' usage and from
 /metrics), and the cache's bytes at the end.
@@ -173,7 +174,9 @@ def _chat(client: httpx.Client, url: str, model: str, messages: list[dict], max_
                 usage["prompt_tokens_details"]["cached_tokens"], usage["completion_tokens"]), "".join(text)
 
 
-def run_workload(url: str, model: str, system: str, conversations: int, turns: int, max_tokens: int) -> Workload:
+def run_workload(url: str, model: str, system: str, conversations: int, turns: int, max_tokens: int,
+                 first: int = 0) -> Workload:
+    """The conversations c = 0..conversations-1 at once, conversation c opening with question first + c."""
     w = Workload(turns=[[] for _ in range(conversations)])
 
     def one(c: int) -> None:
@@ -181,7 +184,7 @@ def run_workload(url: str, model: str, system: str, conversations: int, turns: i
         client = httpx.Client()  # one connection per conversation, as an SDK client keeps (a new httpx client costs
         # ~20 ms to set up, which would count in every turn's time to first token)
         for t in range(turns):
-            msgs.append({"role": "user", "content": QUESTIONS[c % len(QUESTIONS)] if t == 0
+            msgs.append({"role": "user", "content": QUESTIONS[(first + c) % len(QUESTIONS)] if t == 0
                          else FOLLOW_UPS[(t - 1) % len(FOLLOW_UPS)]})
             turn, text = _chat(client, url, model, msgs, max_tokens)
             w.turns[c].append(turn)
@@ -209,14 +212,18 @@ def multiturn(args: argparse.Namespace) -> None:
     system = system_prompt(tokens, lambda text: len(tok.encode(text)))
     max_len = args.max_model_len or (2048 if args.model == "demo" else 4096)
     common = ["--max-model-len", str(max_len), "--max-num-seqs", str(args.conversations)]
-    results = {}
-    for label, extra in (("cache", []), ("no cache", ["--prefix-cache-gb", "0"])):
-        with ServerProcess(model_dir, *common, *extra, ready_timeout=600) as srv:
-            results[label] = run_workload(srv.url, srv.model, system, args.conversations, args.turns, args.max_tokens)
-    on, off = results["cache"], results["no cache"]
+    runs: dict[str, list[Workload]] = {"cache": [], "no cache": []}
+    with ServerProcess(model_dir, *common, ready_timeout=600) as with_cache, \
+            ServerProcess(model_dir, *common, "--prefix-cache-gb", "0", ready_timeout=600) as without:
+        for rep in range(args.repeat):  # interleaved, each side first in turn; repeat r opens with other questions
+            sides = [("cache", with_cache), ("no cache", without)]
+            for label, srv in sides if rep % 2 == 0 else sides[::-1]:
+                runs[label].append(run_workload(srv.url, srv.model, system, args.conversations, args.turns,
+                                                args.max_tokens, first=rep * args.conversations))
+    on, off = runs["cache"][0], runs["no cache"][0]  # all but the later turns' TTFT: the first repeat's
 
-    def later(w: Workload) -> list[float]:
-        return [t.ttft for conv in w.turns for t in conv[1:]]
+    def later(label: str) -> list[float]:  # every repeat's turns 2..T
+        return [t.ttft for w in runs[label] for conv in w.turns for t in conv[1:]]
 
     prompt = sum(t.prompt for conv in on.turns for t in conv)
     cached = sum(t.cached for conv in on.turns for t in conv)
@@ -225,9 +232,11 @@ def multiturn(args: argparse.Namespace) -> None:
     first_prompt = statistics.mean(conv[0].prompt for conv in on.turns)
     print(f"\n### Multi-turn, {args.model}: {args.conversations} conversations x {args.turns} turns, system prompt "
           f"{first_prompt:.0f} tokens with turn 1's question, {args.max_tokens} tokens per answer\n")
+    if args.repeat > 1:
+        print(f"TTFT of turns 2..{args.turns}: {args.repeat} interleaved repeats; the other figures: the first\n")
     print("| figure | cache | no cache | cache / no cache |\n|---|---|---|---|")
-    m_on, m_off = statistics.median(later(on)), statistics.median(later(off))
-    a_on, a_off = statistics.mean(later(on)), statistics.mean(later(off))
+    m_on, m_off = statistics.median(later("cache")), statistics.median(later("no cache"))
+    a_on, a_off = statistics.mean(later("cache")), statistics.mean(later("no cache"))
     print(f"| TTFT turns 2..{args.turns}, median (s) | {m_on:.3f} | {m_off:.3f} | {m_on / m_off:.3f}x |")
     print(f"| TTFT turns 2..{args.turns}, mean (s) | {a_on:.3f} | {a_off:.3f} | {a_on / a_off:.3f}x |")
     t1_on = statistics.median(conv[0].ttft for conv in on.turns)
@@ -364,6 +373,7 @@ def main() -> None:
     mt.add_argument("--conversations", type=int, default=8)
     mt.add_argument("--turns", type=int, default=6)
     mt.add_argument("--max-tokens", type=int, default=32)
+    mt.add_argument("--repeat", type=int, default=1, help="interleaved runs of the workload on each server")
     mt.add_argument("--system-tokens", type=int, default=None,
                     help="the system prompt's tokens (default: 2000; 1500 for the demo, whose context is 2,048)")
     mt.add_argument("--max-model-len", type=int, default=None, help="default: 2048 (demo), 4096")

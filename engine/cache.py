@@ -251,14 +251,12 @@ class MtpScratch:
 PREFILL_GRID = 256
 
 
-#: A request's prompt keeps its state TAIL_MARGIN tokens before its end, and its generated tokens at their last
-#: multiple of TAIL_GRID (a divisor of PREFILL_GRID): the prefix cache keeps a "tail" there, the first t positions of a
-#: grid block (any 0 < t < PREFILL_GRID), so a conversation's next turn resumes where it parts from the previous one
-#: instead of up to 255 tokens before. Tails are kept where a forward that stops at any position computes the bits of
-#: one that runs on (the C path), so where they are is only the index's choice; on the kernel path they would have to
-#: be on the GDN chunk (64), where chunks restart. The generation tail stays on a grid because it is captured again
-#: each time the generated tokens cross it (each round at TAIL_GRID 1).
-TAIL_GRID = 16
+#: A request's prompt keeps its state TAIL_MARGIN tokens before its end, and its generated tokens at their end: the
+#: prefix cache keeps a "tail" there, the first t positions of a grid block (any 0 < t < PREFILL_GRID), so a
+#: conversation's next turn resumes where it parts from the previous one instead of up to 255 tokens before. Tails are
+#: kept where a forward that stops at any position computes the bits of one that runs on (the C path), so where they
+#: are is only the index's choice; on the kernel path they would have to be on the GDN chunk (64), where chunks
+#: restart.
 #: A prompt's tail is taken this many tokens before its end: a chat template's generation prompt ends the prompt, and
 #: the next turn renders that place otherwise. Qwen3.5's `<|im_start|>assistant\n<think>\n\n</think>\n\n` (thinking
 #: off) is followed by the 4 tokens of the empty think block, which a later turn's history leaves out, so 4 puts the
@@ -337,8 +335,8 @@ class PrefixCache:
     keyed by `tail_key` under the chain of the blocks before it and kept as a leaf of that chain (`insert_tail`,
     `lookup_tail`). The scheduler keeps them where a forward that stops at any position computes the bits one that
     runs on does (the C path: `engine.prefill.steps_match_prefill`), TAIL_MARGIN tokens before the end of a request's
-    prompt and at its generated tokens' last multiple of TAIL_GRID, so a conversation's next turn resumes where it
-    parts from the previous one. The index knows the tail lengths cached under each chain (`_tail_lens`), so a
+    prompt and at the end of its generated tokens, so a conversation's next turn resumes where it parts from the
+    previous one. The index knows the tail lengths cached under each chain (`_tail_lens`), so a
     lookup hashes only those.
 
     What a key collision can do: a key is a 128-bit hash, and the index holds at most one block per key, so two

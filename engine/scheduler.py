@@ -22,9 +22,8 @@ commit crossed it (the GDN state is captured at once from its recorded window sl
 MTP head has written the block's rows). A hit gives the same bits as a miss: the blocks are those a prefill of the
 same tokens computes. There too (a forward that stops anywhere computes what one that runs on does), every session
 keeps two tails (`PrefixCache.insert_tail`: a block's first positions): TAIL_MARGIN tokens before its prompt's end (the
-block holding that position stops there first: `SessionState.block_len`) and at the last multiple of TAIL_GRID its
-generated tokens crossed (written when it finishes), so the next turn of a conversation resumes where the two turns
-part.
+block holding that position stops there first: `SessionState.block_len`) and at the end of its generated tokens (its
+last round's state, captured when it finishes), so the next turn of a conversation resumes where the two turns part.
 
 On CUDA (with triton) the round's forwards replay CUDA graphs (engine/graphs.py `GraphRunner`): the scheduler
 picks the batch-size buckets (`graph_buckets(max_num_seqs)`) and reserves the scratch pool slots that bucket
@@ -41,8 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache import (PREFILL_GRID, TAIL_GRID, TAIL_MARGIN, GdnPool, PrefixCache, PrefixCacheStats, StatePool, block_keys,
-                    pool_bytes)
+from .cache import PREFILL_GRID, TAIL_MARGIN, GdnPool, PrefixCache, PrefixCacheStats, StatePool, block_keys, pool_bytes
 from .encoder import ImageEncoder, image_patches
 from .graphs import EAGER, GraphRunner, StepRunner, graph_buckets, padding_rows
 from .images import VisionStats
@@ -460,7 +458,9 @@ class Scheduler:
     def _capture_decoded(self, rows: list[SpecSession], before: list[int]) -> None:
         """After a round (decode steps that reach prefill's states): for each grid boundary a row's commit crossed,
         capture the GDN state there now (its recorded window slot is overwritten by the next round) into a
-        reserved block, written in full once the MTP head has the block's rows (`_finish_pending`)."""
+        reserved block, written in full once the MTP head has the block's rows (`_finish_pending`); and (tails) for
+        a row the round finished, the state at its end, written as its generation tail once the step flushed its
+        MTP rows."""
         pc = self.cache
         for s, n in zip(rows, before):
             w = self._writer(s)
@@ -484,8 +484,9 @@ class Scheduler:
                     break
                 w.pending.append((b, bid))
                 w.next = b + 1
-            B = s.cache.length // TAIL_GRID * TAIL_GRID
-            if self._tails and s.error is None and B > n and B % PREFILL_GRID and B // PREFILL_GRID >= w.next:
+            B = s.cache.length
+            if self._tails and s.finished and s.error is None and B > n and B % PREFILL_GRID \
+                    and B // PREFILL_GRID >= w.next:  # a row that finished: the state at its end
                 # the verify forward's token t (position n + t) left its state in window slot t
                 self._capture_tail(s, w, "gen_tail", B, B - 1 - n, s.round_pre[B - 1 - n])
 

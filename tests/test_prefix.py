@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from engine.cache import PREFILL_GRID as G
-from engine.cache import TAIL_GRID as TG
 from engine.cache import TAIL_MARGIN
 from engine.cache import GdnPool, KVPool, PrefixCache, StatePool, block_keys
 from engine.loader import load_model
@@ -198,8 +197,8 @@ def test_a_conversation_hits_through_the_previous_answer(model):
     ref = _alone(model, turn2, 10)
     b = Rows(model, turn2, 10, k=3, pool=sched.pool)
     _run(sched, {0: [b]})
-    # the tail at the answer's last TAIL_GRID boundary (off the grid here), past its last whole block
-    assert b.cached_tokens == ((len(seq) - 1) // TG) * TG and b.cached_tokens % G and b.cached_tokens > len(turn1)
+    # the tail at the answer's end (all but its last token: off the grid here), past its last whole block
+    assert b.cached_tokens == len(seq) - 1 and b.cached_tokens % G and b.cached_tokens > len(turn1)
     _same(b.rows, ref.rows, "turn 2 from the cache")
     assert b.telem == ref.telem
 
@@ -265,7 +264,7 @@ def test_tails_are_leaves_of_their_chain(model):
     sched = _sched(model, cache_mb=64)
     t = 37
     prompt = _prompt(V, G + t + TAIL_MARGIN, 26)  # its tail: the first t positions of block 1
-    a = SpecSession(model, prompt, 2, k=3, pool=sched.pool)
+    a = SpecSession(model, prompt, 1, k=3, pool=sched.pool)  # one token: no generation tail
     _run(sched, {0: [a]})
     pc = sched.cache
     keys = block_keys(prompt, 1, pc.root)
@@ -284,8 +283,8 @@ def test_tails_are_leaves_of_their_chain(model):
     assert pc.stats.blocks == blocks - 1 and pc.lookup(prompt, keys) == ids
     assert pc.lookup_tail(prompt, keys, ids) is None
     bid = pc.reserve()
-    other = _prompt(V, G + TG + 1, 27)
-    assert not pc.insert_tail(block_keys(other, 1, pc.root), other, 1, TG, 0, 0 if pc.mtp else None, bid)
+    other = _prompt(V, G + 17, 27)
+    assert not pc.insert_tail(block_keys(other, 1, pc.root), other, 1, 16, 0, 0 if pc.mtp else None, bid)
     assert bid in pc._free  # noqa: SLF001 - released, not lost
 
 
@@ -339,7 +338,7 @@ def test_eviction_under_a_tiny_budget_keeps_hits_exact(model):
     assert pc.capacity == 3
     prompts = [_prompt(V, 2 * G + 5, 50 + i) for i in range(3)]
     for p in prompts:
-        _run(sched, {0: [SpecSession(model, p, 2, k=3, pool=sched.pool)]})
+        _run(sched, {0: [SpecSession(model, p, 1, k=3, pool=sched.pool)]})  # no generation tail
         assert pc.stats.blocks <= 3 and pc.stats.bytes == pc.stats.blocks * block
     # the oldest chain went first, leaf before root; the newest chain is whole (its two blocks and its tail)
     last = Rows(model, prompts[-1], 6, k=3, pool=sched.pool)
@@ -409,7 +408,7 @@ def test_a_moe_model_is_row_wise_on_the_c_path_too(tmp_path):
     turn2 = prompt + s.emitted + _prompt(V, 9, 45)
     hit = Rows(model, turn2, 6, k=3, pool=sched.pool)
     _run(sched, {0: [hit]})
-    assert hit.cached_tokens % TG == 0 and 2 * G <= hit.cached_tokens < len(prompt) + len(s.emitted)  # the answer's
+    assert hit.cached_tokens == len(prompt) + len(s.emitted) - 1 > 2 * G  # the answer's
     _same(hit.rows, _alone(model, turn2, 6, k=3).rows, "MoE from the cache")
 
 

@@ -67,7 +67,7 @@ def test_an_eviction_after_a_restore_leaves_the_sessions_carrier_alone(model, hi
     del probe
     pc = sched.cache
     assert pc.capacity == 1
-    sched.add(SpecSession(model, prompt, 2, k=3, pool=sched.pool, hidden_mode=hidden_mode))
+    sched.add(SpecSession(model, prompt, 1, k=3, pool=sched.pool, hidden_mode=hidden_mode))  # no generation tail
     _drain(sched)
     b = Rows(model, prompt, 12, k=3, pool=sched.pool, hidden_mode=hidden_mode)
     sched.add(b)
@@ -83,8 +83,8 @@ def test_an_eviction_after_a_restore_leaves_the_sessions_carrier_alone(model, hi
     assert b.emitted == cold.emitted and len(b.rows) == len(cold.rows)
     assert all(torch.equal(x, y) for x, y in zip(b.rows, cold.rows)), "logit rows differ from a cold run"
     assert b.telem == cold.telem, "the drafts differ from a cold run's (the MTP carrier changed)"
-    n = cold.scratch.length
-    assert b.scratch.length == n and all(torch.equal(x, y) for x, y in zip(b.scratch.rows(n), cold.scratch.rows(n))), \
+    n = cold.scratch.length  # (B may hold the last round's rows too: written for the tail it left when it finished)
+    assert b.scratch.length >= n and all(torch.equal(x, y) for x, y in zip(b.scratch.rows(n), cold.scratch.rows(n))), \
         "the MTP head's rows differ from a cold run's (its carrier changed)"
 
 

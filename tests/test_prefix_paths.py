@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from engine.cache import PREFILL_GRID as G
-from engine.cache import TAIL_GRID as TG
 from engine.cache import TAIL_MARGIN
 from engine.cache import PrefixCache
 from engine.loader import load_model
@@ -203,7 +202,7 @@ def test_a_raise_in_a_prefix_cache_path_fails_one_request(model, path, monkeypat
     n1 = len(ss[1].prompt_ids)
     assert later[0].cached_tokens in {b * G for b in range(n1 // G + 1)} | {n1 - TAIL_MARGIN}
     n0 = len(a.prompt_ids) + len(a.emitted) - 1  # a's sequence in the cache: its last block, or the answer's tail
-    assert later[1].cached_tokens % TG == 0 and n0 // G * G <= later[1].cached_tokens <= n0
+    assert later[1].cached_tokens in (n0 // G * G, n0)
     for s in later:
         assert s.error is None
         _same(s.rows, _alone_rows(model, s.prompt_ids), f"{path}: a later hit")

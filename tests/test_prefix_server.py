@@ -11,7 +11,6 @@ import openai
 import pytest
 
 from engine.cache import PREFILL_GRID as G
-from engine.cache import TAIL_GRID as TG
 from engine.cache import TAIL_MARGIN
 from tests.server_fixtures import ServerThread
 
@@ -35,12 +34,12 @@ def _common(a: list[int], b: list[int]) -> int:
 def _expect(prompt: list[int], earlier: list[tuple[list[int], list[int]]]) -> int:
     """The hit a prompt gets from earlier requests (each: its prompt, and its sequence in the cache = prompt + answer
     but its last token): the longest run of whole blocks they share with it, or a tail TAIL_MARGIN tokens before an
-    earlier prompt's end or at the last TAIL_GRID boundary its answer crossed, never the prompt's last token."""
+    earlier prompt's end or at its answer's end, never the prompt's last token."""
     best = 0
     for p, seq in earlier:
         c = min(_common(seq, prompt), len(prompt) - 1)
         best = max(best, c // G * G)
-        gen = len(seq) // TG * TG
+        gen = len(seq)
         for B in (len(p) - TAIL_MARGIN, gen if gen > len(p) else 0):
             if B % G and B <= c:
                 best = max(best, B)

@@ -176,4 +176,8 @@ def gated_sessions(gate: threading.Event) -> type:
             gate.wait(30)
             return super().next_chunk()
 
+        def next_chunks(self, n: int) -> list[list[int]]:  # (a prompt's last blocks in one row: a tail's cut)
+            gate.wait(30)
+            return super().next_chunks(n)
+
     return GatedSession

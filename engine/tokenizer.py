@@ -9,6 +9,7 @@ conversation so that only the template's own markup becomes control tokens (mess
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Callable, Iterator
@@ -176,6 +177,13 @@ def _cut_after_final_message(rendered: str, content: Any) -> str:
     raise ValueError("continue_final_message: the chat template does not render the last message's content")
 
 
+#: `Tokenizer.encode` keeps the ids of text segments between added tokens this long or longer (a conversation's
+#: system prompt and earlier turns come back every turn: their tokenization is a lookup), at most SEGMENT_CACHE_SIZE
+#: of them (least recently used out).
+SEGMENT_CACHE_MIN = 256
+SEGMENT_CACHE_SIZE = 1024
+
+
 class Tokenizer:
     """A ``tokenizers`` tokenizer plus the model directory's chat template, eos ids and special tokens."""
 
@@ -203,6 +211,13 @@ class Tokenizer:
         texts = sorted((t.content for t in added.values() if t.special), key=len, reverse=True)
         self._special_text = re.compile("|".join(map(re.escape, texts))) if texts else None
         self._plain: _HFTokenizer | None = None  # a copy that encodes special-token text as plain text
+        # `tokenizers` cuts its input at every added token before anything else runs, so text encodes as the
+        # concatenation of its pieces between them: exact where no added token strips its neighbours' whitespace,
+        # matches whole words only or matches normalized text (else None: no segment cache)
+        every = sorted((t.content for t in added.values()), key=len, reverse=True)
+        plain = all(not (t.lstrip or t.rstrip or t.single_word or t.normalized) for t in added.values())
+        self._added_split = re.compile("(" + "|".join(map(re.escape, every)) + ")") if every and plain else None
+        self._segment = functools.lru_cache(maxsize=SEGMENT_CACHE_SIZE)(self._encode_segment)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
@@ -268,8 +283,26 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text``; added tokens written in the text (``<|im_start|>``...) become their ids.
-        ValueError for a lone surrogate (as from every encode method)."""
-        return _encode(self._tok, text, add_special_tokens).ids
+        ValueError for a lone surrogate (as from every encode method). The ids of pieces between added tokens of
+        SEGMENT_CACHE_MIN characters or more are remembered (the same ids: see `_added_split`)."""
+        if add_special_tokens or self._added_split is None or len(text) < SEGMENT_CACHE_MIN:
+            return _encode(self._tok, text, add_special_tokens).ids
+        ids: list[int] = []
+        short: list[str] = []  # consecutive short pieces (added tokens too) encode in one call
+        for part in self._added_split.split(text):
+            if len(part) < SEGMENT_CACHE_MIN:
+                short.append(part)
+                continue
+            if short:
+                ids += _encode(self._tok, "".join(short)).ids
+                short = []
+            ids += self._segment(part)
+        if short:
+            ids += _encode(self._tok, "".join(short)).ids
+        return ids
+
+    def _encode_segment(self, text: str) -> tuple[int, ...]:
+        return tuple(_encode(self._tok, text).ids)
 
     def encode_plain(self, text: str) -> list[int]:
         """Token ids of ``text`` with special-token text (``<|im_end|>``...) encoded as ordinary text; other

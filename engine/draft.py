@@ -76,6 +76,28 @@ def _write_backlog(model: Qwen35ForCausalLM, rows: list[SessionState], runner: S
             r._mtp_tokens, r._mtp_hidden = r._mtp_tokens[k:], r._mtp_hidden[k:]
 
 
+def _write_long_queues(model: Qwen35ForCausalLM, rows: list[SessionState], runner: StepRunner, limit: int) -> None:
+    """Eager runner: write all but the newest `limit` queued MTP rows of every row whose queue is longer (a row that
+    ran plain rounds, k = 0, queued one a round), so the depth-0 forward pads every row to at most `limit` rows,
+    within each slot's headroom (`pool_capacity`: K + 1 past the context). Padded to the longest backlog, a row near its slot's end would write past it: those rows go in one
+    head forward when every one of them has room for the padding, else one forward each (no padding)."""
+    long = [r for r in rows if len(r._mtp_tokens) > limit]
+    if not long:
+        return
+    n = [len(r._mtp_tokens) - limit for r in long]
+    cap = long[0].pool.capacity
+    groups = [list(zip(long, n))] if all(r.scratch.length + max(n) <= cap for r in long) else \
+        [[(r, k)] for r, k in zip(long, n)]
+    for g in groups:
+        rs, ns = [r for r, _ in g], [k for _, k in g]
+        toks, hid, _ = _queued_mtp_rows(rs, ns)  # [A, Tm], [A, Tm, H]
+        runner.draft(model, rs[0].pool, toks, hid, [r.slot for r in rs], [r.scratch.length for r in rs],
+                     [k - 1 for k in ns], **rope_deltas(rs))  # [A, 1, H], [A, V]: unused
+        for r, k in g:
+            r.scratch.set_len(r.scratch.length + k)
+            r._mtp_tokens, r._mtp_hidden = r._mtp_tokens[k:], r._mtp_hidden[k:]
+
+
 def _draft(model: Qwen35ForCausalLM, rows: list[SessionState], ks: list[int],
            runner: StepRunner = EAGER) -> tuple[torch.Tensor, list[list]]:
     """Draft up to ks[i] tokens per row, one MTP head forward per depth over every row still drafting.
@@ -92,6 +114,8 @@ def _draft(model: Qwen35ForCausalLM, rows: list[SessionState], ks: list[int],
     pool = rows[0].pool
     if isinstance(runner, GraphRunner):  # graphs hold T <= the pool's window: older queued rows go first, in chunks
         _write_backlog(model, [rows[i] for i in act], runner, pool.window)
+    else:  # long queues first: padded to one, a row near its slot's end would write past it
+        _write_long_queues(model, [rows[i] for i in act], runner, pool.window)
     # depth 0: each row writes its queued committed rows (1..k+1 of them, padded) and drafts from the last one
     toks, hid, qlen = _queued_mtp_rows([rows[i] for i in act])  # [A, Tq], [A, Tq, H]
     sc_pos = [rows[i].scratch.length for i in act]

@@ -254,6 +254,31 @@ def test_a_batched_prefill_whose_padding_would_pass_a_slot_runs_row_by_row(ckpt)
     assert [a.emitted, b.emitted] == [generate_spec(model, p, 3, k=0)[0] for p in (long, short)]
 
 
+def test_a_long_mtp_backlog_drafts_beside_a_row_near_its_slots_end(ckpt):
+    """Row a runs plain (k = 0) for 40 rounds, so 40 MTP rows queue up; then it drafts beside row b, whose context is
+    within 40 positions of its slot's end. Padded to a's backlog, b's head rows would be written past its slot (the
+    round failed both rows); the backlog is written first, and both answer as plain greedy does."""
+    model = load_model(ckpt)
+    V = model.config.vocab_size
+    g = torch.Generator().manual_seed(11)
+    pa, pb = (torch.randint(0, V, (n,), generator=g).tolist() for n in (10, 80))
+    sched = Scheduler(model, max_num_seqs=2, max_model_len=128, k=3, max_num_batched_tokens=256)
+    assert sched.pool.capacity == 144
+    a = SpecSession(model, pa, 100, k=3, pool=sched.pool)
+    b = SpecSession(model, pb, 45, k=3, pool=sched.pool)
+    sched.add(a)
+    sched.add(b)
+    rounds, most = 0, 0
+    while sched.num_sessions:
+        a.k_next, b.k_next = (0 if rounds < 40 else 3), 3
+        most = max(most, len(a._mtp_tokens))  # noqa: SLF001 - the backlog this test builds
+        sched.step()
+        rounds += 1
+    assert most >= 40 and b.cache.length + most > sched.pool.capacity  # the padding would have passed b's slot
+    assert a.error is None and b.error is None
+    assert [a.emitted, b.emitted] == [generate_spec(model, p, n, k=0)[0] for p, n in ((pa, 100), (pb, 45))]
+
+
 def test_too_large_pool_is_refused_with_the_setting_to_lower(ckpt):
     model = load_model(ckpt)
     with pytest.raises(PoolTooLarge, match="lower --max-num-seqs or --max-model-len"):

@@ -59,43 +59,43 @@ def rope_deltas(rows: list[SessionState]) -> dict[str, list[int]]:
     return {"delta": d} if any(d) else {}
 
 
+def _write_oldest(model: Qwen35ForCausalLM, rows: list[SessionState], n: list[int], runner: StepRunner) -> None:
+    """Write the oldest n[a] queued MTP rows of each row a in one head forward, rows right-padded (the padding's K/V
+    land past each row's scratch length and are overwritten later); the logits are not used."""
+    toks, hid, _ = _queued_mtp_rows(rows, n)  # [A, Tm], [A, Tm, H]
+    runner.draft(model, rows[0].pool, toks, hid, [r.slot for r in rows], [r.scratch.length for r in rows],
+                 [k - 1 for k in n], **rope_deltas(rows))  # [A, 1, H], [A, V]: unused
+    for r, k in zip(rows, n):
+        r.scratch.set_len(r.scratch.length + k)
+        r._mtp_tokens, r._mtp_hidden = r._mtp_tokens[k:], r._mtp_hidden[k:]
+
+
 def _write_backlog(model: Qwen35ForCausalLM, rows: list[SessionState], runner: StepRunner, limit: int) -> None:
     """Write the oldest queued MTP rows of every row whose queue is longer than `limit` (a row that ran plain
     rounds, k = 0, queued one a round) in head forwards of at most `limit` rows each, until every queue holds
-    `limit` rows or fewer: every forward has a shape the runner captured. Rows right-padded (the padding's K/V land
-    past each row's scratch length and are overwritten later); the logits are not used."""
+    `limit` rows or fewer: every forward has a shape the runner captured."""
     while True:
         over = [r for r in rows if len(r._mtp_tokens) > limit]
         if not over:
             return
-        toks, hid, n = _queued_mtp_rows(over, [min(limit, len(r._mtp_tokens) - limit) for r in over])  # [A, Tm]
-        runner.draft(model, over[0].pool, toks, hid, [r.slot for r in over], [r.scratch.length for r in over],
-                     [k - 1 for k in n], **rope_deltas(over))  # [A, 1, H], [A, V]: unused
-        for r, k in zip(over, n):
-            r.scratch.set_len(r.scratch.length + k)
-            r._mtp_tokens, r._mtp_hidden = r._mtp_tokens[k:], r._mtp_hidden[k:]
+        _write_oldest(model, over, [min(limit, len(r._mtp_tokens) - limit) for r in over], runner)
 
 
 def _write_long_queues(model: Qwen35ForCausalLM, rows: list[SessionState], runner: StepRunner, limit: int) -> None:
     """Eager runner: write all but the newest `limit` queued MTP rows of every row whose queue is longer (a row that
     ran plain rounds, k = 0, queued one a round), so the depth-0 forward pads every row to at most `limit` rows,
-    within each slot's headroom (`pool_capacity`: K + 1 past the context). Padded to the longest backlog, a row near its slot's end would write past it: those rows go in one
-    head forward when every one of them has room for the padding, else one forward each (no padding)."""
+    within each slot's headroom (`pool_capacity`: K + 1 past the context). Padded to the longest backlog, a row
+    near its slot's end would write past it: those rows go in one head forward when every one of them has room for
+    the padding, else one forward each (no padding)."""
     long = [r for r in rows if len(r._mtp_tokens) > limit]
     if not long:
         return
     n = [len(r._mtp_tokens) - limit for r in long]
-    cap = long[0].pool.capacity
-    groups = [list(zip(long, n))] if all(r.scratch.length + max(n) <= cap for r in long) else \
-        [[(r, k)] for r, k in zip(long, n)]
-    for g in groups:
-        rs, ns = [r for r, _ in g], [k for _, k in g]
-        toks, hid, _ = _queued_mtp_rows(rs, ns)  # [A, Tm], [A, Tm, H]
-        runner.draft(model, rs[0].pool, toks, hid, [r.slot for r in rs], [r.scratch.length for r in rs],
-                     [k - 1 for k in ns], **rope_deltas(rs))  # [A, 1, H], [A, V]: unused
-        for r, k in g:
-            r.scratch.set_len(r.scratch.length + k)
-            r._mtp_tokens, r._mtp_hidden = r._mtp_tokens[k:], r._mtp_hidden[k:]
+    if all(r.scratch.length + max(n) <= r.pool.capacity for r in long):
+        _write_oldest(model, long, n, runner)
+        return
+    for r, k in zip(long, n):
+        _write_oldest(model, [r], [k], runner)
 
 
 def _draft(model: Qwen35ForCausalLM, rows: list[SessionState], ks: list[int],

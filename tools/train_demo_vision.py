@@ -1,27 +1,29 @@
-"""Give the bundled demo model (models/demo) a vision tower: train `model.visual.*` with the text model frozen.
+"""Give the bundled demo model (models/demo) a vision tower: train `model.visual.*` on generated pictures.
 
-The demo's text model and MTP head stay bit for bit as they are: only the vision tower and its patch merger are
-trained (prompt-tuning-like: the tower learns image embeddings that make the frozen language model say what the
-picture shows). Pictures come from tools/demo_pictures.py (shapes x colours x counts); prompts are the chat
-template's rendering with the image part as `<|vision_start|><|image_pad|><|vision_end|>` before the question, the
-pad expanded to the image's token count, and the answer, e.g. "two red circles.", then <|im_end|>.
+Pictures come from tools/demo_pictures.py (shapes x colours x counts); prompts are the chat template's rendering
+with the image part as `<|vision_start|><|image_pad|><|vision_end|>` before the question, the pad expanded to the
+image's token count, and the answer, e.g. "two red circles.", then <|im_end|>. With the text model frozen the tower
+alone cannot make the tiny demo say that (--soft-bound), so the demo's recipe trains the text model too
+(--unfreeze-lm) while --distill holds it to its own text behaviour (the KL from the untrained text model on corpus
+rows), then refits the MTP head to the moved trunk (--mtp-only):
+
+    python tools/train_demo_vision.py --out /tmp/demo-vl-lm --minutes 42 --unfreeze-lm 1e-3 --aux 0.5 --distill \
+        --threads 2                                                               # tower + text model
+    python tools/train_demo_vision.py --mtp-only /tmp/demo-vl-lm --out /tmp/demo-vl --mtp-minutes 8 --threads 2
+    python tools/train_demo_vision.py --engine-eval /tmp/demo-vl --n-eval 200    # held-out accuracy, MTP, our engine
+    python tools/train_demo_vision.py --text-cost models/demo /tmp/demo-vl      # text answers/MTP before vs after
+    python tools/train_demo_vision.py --out /tmp/demo-vl --minutes 22            # the tower alone (text frozen)
+    python tools/train_demo_vision.py --eval-only /tmp/demo-vl --n-eval 400      # held-out accuracy (transformers)
+    python tools/train_demo_vision.py --soft-bound 225      # the most any tower could do with the text model frozen
 
 transformers' `Qwen3_5ForConditionalGeneration` is the training model (test/tool dependency); --engine-eval runs
 held-out pictures through our engine (engine.spec, K=3). fla is blocked before transformers is imported.
 
-    python tools/train_demo_vision.py --out /tmp/demo-vl --minutes 22            # train the tower + evaluate
-    python tools/train_demo_vision.py --eval-only /tmp/demo-vl --n-eval 400      # held-out accuracy (transformers)
-    python tools/train_demo_vision.py --engine-eval /tmp/demo-vl --n-eval 200    # ... through our engine, + MTP
-    python tools/train_demo_vision.py --text-cost models/demo /tmp/demo-vl   # text answers/MTP before vs after
-    python tools/train_demo_vision.py --soft-bound 225      # the most any tower could do with the text model frozen
-    python tools/train_demo_vision.py --out /tmp/demo-vl-lm --minutes 32 --unfreeze-lm 1e-3 --aux 0.5  # trains the
-                                                            # text model too (its weights change; not the demo)
-    python tools/train_demo_vision.py --mtp-only /tmp/demo-vl-lm --out /tmp/demo-vl --mtp-minutes 6   # refit mtp.*
-
 Writes into --out: config.json in the VL layout (model_type qwen3_5, text_config = the text fields, vision_config,
 the vision token ids, M-RoPE sections), model.safetensors (text tensors under HF's VL names
-`model.language_model.*`, `lm_head.*`, `mtp.*` unchanged, plus `model.visual.*`), preprocessor_config.json,
-tokenizer and generation config copied. Prints a sha256 per text tensor before and after and fails if any differs.
+`model.language_model.*`, `lm_head.*`, `mtp.*`, plus `model.visual.*`), preprocessor_config.json, tokenizer and
+generation config copied. Prints a sha256 per text tensor before and after; with the text model frozen it fails if
+any differs.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ import sys
 sys.modules.setdefault("fla", None)  # fla-core + triton on a CPU box breaks transformers' Qwen3.5
 
 import argparse  # noqa: E402
+import copy  # noqa: E402
 import hashlib  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
@@ -60,6 +63,7 @@ VISION_CONFIG = {"model_type": "qwen3_5_vision", "depth": 2, "hidden_size": 128,
 MROPE_SECTION = [2, 1, 1]  # sums to rotary_dim / 2 = 32 * 0.25 / 2 = 4; interleaved (T H W T) as Qwen3.5's
 AUX_WEIGHTS = (2.0, 1.0, 1.0)  # the probe loss' weights on count, colour, shape: counting is the hardest to learn
 TEXT_PREFIX, VL_PREFIX = "model.", "model.language_model."
+TEXT_DEPTH_WEIGHTS = (1.0, 0.7, 0.5)  # the MTP refit's loss weights on the corpus' chained draft passes 1, 2, 3
 
 
 # --- checkpoint layout -------------------------------------------------------------------------------------------
@@ -209,12 +213,16 @@ def _apply(opt: torch.optim.Optimizer, loss: torch.Tensor, clip: list[torch.Tens
 
 
 def train(model, data: Prompts, *, seed: int, minutes: float, max_steps: int, batch: int, lr: float,
-          lm_lr: float = 0.0, text_rows: int = 4, aux: float = 0.0) -> list[float]:
+          lm_lr: float = 0.0, text_rows: int = 4, aux: float = 0.0, distill: bool = False) -> list[float]:
     """AdamW on model.visual (the language model frozen unless lm_lr > 0), cosine schedule over the wall-clock
     budget. lm_lr > 0 (an experiment: it changes the text weights) also trains the language model, each step
     adding the demo corpus' text loss on `text_rows` rows of 128 tokens so the text skills are kept. aux > 0 adds
     a probe loss (weight aux, times AUX_WEIGHTS per attribute): linear heads on each image's mean and max embedding
-    predict count, colour and shape (the probe is discarded; it only speeds up the tower's learning)."""
+    predict count, colour and shape (the probe is discarded; it only speeds up the tower's learning). distill (with
+    lm_lr > 0) makes the text loss the KL divergence from the untrained model's next-token distribution at every
+    position of the corpus rows instead of their cross-entropy: the text model keeps its function, not only its
+    skills, so its greedy answers and the MTP head trained on it stay as they were."""
+    teacher = copy.deepcopy(model).eval() if distill and lm_lr > 0 else None
     for p in model.parameters():
         p.requires_grad_(False)
     params = list(model.model.visual.parameters())
@@ -261,7 +269,13 @@ def train(model, data: Prompts, *, seed: int, minutes: float, max_steps: int, ba
         if text is not None:
             ids, w = text.batch(text_rows)  # [R, 128] each
             logits = model(input_ids=ids[:, :-1]).logits  # [R, 127, V]
-            loss = loss + masked_ce(logits, ids[:, 1:], w[:, 1:])
+            if teacher is None:
+                loss = loss + masked_ce(logits, ids[:, 1:], w[:, 1:])
+            else:
+                with torch.no_grad():
+                    want = F.log_softmax(teacher(input_ids=ids[:, :-1]).logits, dim=-1)  # [R, 127, V]
+                kl = F.kl_div(F.log_softmax(logits, dim=-1), want, log_target=True, reduction="none")  # [R, 127, V]
+                loss = loss + kl.sum(-1).mean()
         _apply(opt, loss, params, losses, f"step {step + 1}", f"lr {lr * scale:.2e} {time.time() - t0:.0f}s")
         step += 1
     model.eval()
@@ -334,11 +348,12 @@ def mtp_refit(src: Path, out: Path, *, seed: int, minutes: float, max_steps: int
     chats and `text_rows` demo-corpus rows of 128 tokens; the trunk (transformers) gives its post-norm hiddens and
     its greedy tokens, and the head (our engine's `model.mtp`, fed as the engine feeds it: embedding of token i+1,
     image embeddings at the pads, trunk hidden of row i, M-RoPE rows of the prompt) learns to predict the trunk's
-    greedy token at i+2 on the rows that decode (completion rows of the pictures, answer rows of the corpus). AdamW,
+    greedy token at i+2 on the rows that decode (completion rows of the pictures, answer rows of the corpus; on the
+    corpus also the chained draft passes 2 and 3 as tools/train_demo.py trains them, so the text drafts stay deep). AdamW,
     cosine over the wall-clock budget. Writes `src` with the new `mtp.*` tensors into `out`; returns the losses."""
     from engine.loader import load_model
     from tools.demo_corpus import build_corpus
-    from tools.train_demo import RowStream
+    from tools.train_demo import RowStream, mtp_passes
 
     hf, data, ours = load_hf(src), Prompts(src), load_model(src)
     hf.eval()
@@ -380,9 +395,11 @@ def mtp_refit(src: Path, out: Path, *, seed: int, minutes: float, max_steps: int
         h = ours.mtp(emb[:, 1:], post[:, :-1], None, None, (cos[:, :-1], sin[:, :-1]))  # [B, T-1, H]
         keep = labels[:, 1:] != -100  # [B, T-1]: row i drafts token i+2 after completion token i+1
         loss = F.cross_entropy(ours.logits(h[keep]), greedy[:, 1:][keep])
-        th = ours.mtp_forward(tids[:, 1:], tpost[:, :-1])  # [R, 127, H]
-        tkeep = tw[:, 1:] > 0  # [R, 127]
-        loss = loss + F.cross_entropy(ours.logits(th[tkeep]), tgreedy[:, 1:][tkeep])
+        for m, hm in enumerate(mtp_passes(ours, tids, tpost, len(TEXT_DEPTH_WEIGHTS))):  # [R, n, H] each
+            n = hm.shape[1]  # pass m, row i: drafts token i+2+m, the trunk's greedy token at i+1+m
+            tkeep = tw[:, 2 + m:2 + m + n] > 0  # [R, n]
+            loss = loss + TEXT_DEPTH_WEIGHTS[m] * F.cross_entropy(ours.logits(hm[tkeep]),
+                                                                  tgreedy[:, 1 + m:1 + m + n][tkeep])
         _apply(opt, loss, params, losses, f"mtp step {step + 1}", f"{time.time() - t0:.0f}s")
         step += 1
     sd = load_file(str(src / "model.safetensors"))
@@ -482,6 +499,9 @@ def main() -> None:
                     help="refit SRC's MTP head to its trunk for --mtp-minutes, write the result to --out, and exit")
     ap.add_argument("--mtp-minutes", type=float, default=8.0)
     ap.add_argument("--mtp-lr", type=float, default=1e-3)
+    ap.add_argument("--mtp-text-rows", type=int, default=4, help="demo-corpus rows of 128 tokens per refit step")
+    ap.add_argument("--distill", action="store_true",
+                    help="with --unfreeze-lm: the text loss is the KL from the untrained text model, not the corpus")
     ap.add_argument("--unfreeze-lm", type=float, default=0.0, metavar="LR",
                     help="experiment: also train the language model at this learning rate (changes text weights)")
     args = ap.parse_args()
@@ -498,7 +518,7 @@ def main() -> None:
             ap.error("--mtp-only needs --out")
         torch.manual_seed(args.seed)
         losses = mtp_refit(Path(args.mtp_only), Path(args.out), seed=args.seed, minutes=args.mtp_minutes,
-                           max_steps=args.max_steps, batch=args.batch, lr=args.mtp_lr)
+                           max_steps=args.max_steps, batch=args.batch, lr=args.mtp_lr, text_rows=args.mtp_text_rows)
         tail = losses[-25:]
         print(json.dumps({"mtp_steps": len(losses), "final_loss": round(sum(tail) / max(1, len(tail)), 4)}))
         return
@@ -523,7 +543,7 @@ def main() -> None:
         data = Prompts(work)
         t0 = time.time()
         losses = train(model, data, seed=args.seed, minutes=args.minutes, max_steps=args.max_steps,
-                       batch=args.batch, lr=args.lr, lm_lr=args.unfreeze_lm, aux=args.aux)
+                       batch=args.batch, lr=args.lr, lm_lr=args.unfreeze_lm, aux=args.aux, distill=args.distill)
         train_s = time.time() - t0
         visual = {k: v for k, v in model.model.visual.state_dict().items()}
         if args.unfreeze_lm > 0:

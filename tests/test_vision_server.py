@@ -468,3 +468,27 @@ def test_engine_process_carries_a_jobs_images(vl_dir):
     spec = _JobSpec(0, 0, [1, 2], 4, None, [], None, None, None, False, 0.0, (inp,))
     back = pickle.loads(pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL)).images[0]
     assert np.array_equal(back.rgb, inp.rgb) and back.grid_thw == inp.grid_thw and back.hash == inp.hash
+
+
+def test_the_bundled_demo_answers_the_readmes_picture(tmp_path):
+    """README's Images examples against the demo as `nextn serve` starts it (plus --allowed-local-media-path): the
+    picture its one-liner draws is "two red circles." by a data: URL, by file:// and through the Responses API, with
+    36 image tokens of 57 prompt tokens."""
+    im = Image.new("RGB", (256, 256), "white")
+    d = ImageDraw.Draw(im)
+    d.ellipse((30, 90, 110, 170), fill="red")
+    d.ellipse((146, 90, 226, 170), fill="red")
+    path = tmp_path / "circles.png"
+    im.save(path)
+    url = "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
+    question = {"type": "text", "text": "What is in this picture?"}
+    with ServerThread(demo=True, allowed_local_media_path=tmp_path) as srv:
+        client = openai.OpenAI(base_url=srv.base_url, api_key="EMPTY")
+        for image in (url, "file://" + str(path)):
+            r = client.chat.completions.create(model=srv.model, max_tokens=32, temperature=0, messages=[
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}}, question]}])
+            assert r.choices[0].message.content == "two red circles.", (image[:30], r.choices[0].message)
+            assert (r.usage.prompt_tokens, r.usage.prompt_tokens_details.image_tokens) == (57, 36)
+        r = client.responses.create(model=srv.model, temperature=0, input=[{"role": "user", "content": [
+            {"type": "input_image", "image_url": url}, {"type": "input_text", "text": "What is in this picture?"}]}])
+        assert r.output_text == "two red circles.", r.output_text

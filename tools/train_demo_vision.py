@@ -4,12 +4,13 @@ Pictures come from tools/demo_pictures.py (shapes x colours x counts); prompts a
 with the image part as `<|vision_start|><|image_pad|><|vision_end|>` before the question, the pad expanded to the
 image's token count, and the answer, e.g. "two red circles.", then <|im_end|>. With the text model frozen the tower
 alone cannot make the tiny demo say that (--soft-bound), so the demo's recipe trains the text model too
-(--unfreeze-lm) while --distill holds it to its own text behaviour (the KL from the untrained text model on corpus
-rows), then refits the MTP head to the moved trunk (--mtp-only):
+(--unfreeze-lm) while --distill holds it to its own text behaviour (the KL from the starting text model on corpus
+rows), then refits the MTP head to the moved trunk (--mtp-only); models/demo/README.md has the exact run:
 
     python tools/train_demo_vision.py --out /tmp/demo-vl-lm --minutes 42 --unfreeze-lm 1e-3 --aux 0.5 --distill \
         --threads 2                                                               # tower + text model
-    python tools/train_demo_vision.py --mtp-only /tmp/demo-vl-lm --out /tmp/demo-vl --mtp-minutes 8 --threads 2
+    python tools/train_demo_vision.py --mtp-only /tmp/demo-vl-lm --out /tmp/demo-vl --mtp-minutes 8 --batch 12 \
+        --mtp-text-rows 8 --threads 2                                              # MTP head refit
     python tools/train_demo_vision.py --engine-eval /tmp/demo-vl --n-eval 200    # held-out accuracy, MTP, our engine
     python tools/train_demo_vision.py --text-cost models/demo /tmp/demo-vl      # text answers/MTP before vs after
     python tools/train_demo_vision.py --out /tmp/demo-vl --minutes 22            # the tower alone (text frozen)
@@ -215,11 +216,11 @@ def _apply(opt: torch.optim.Optimizer, loss: torch.Tensor, clip: list[torch.Tens
 def train(model, data: Prompts, *, seed: int, minutes: float, max_steps: int, batch: int, lr: float,
           lm_lr: float = 0.0, text_rows: int = 4, aux: float = 0.0, distill: bool = False) -> list[float]:
     """AdamW on model.visual (the language model frozen unless lm_lr > 0), cosine schedule over the wall-clock
-    budget. lm_lr > 0 (an experiment: it changes the text weights) also trains the language model, each step
+    budget. lm_lr > 0 (it changes the text weights) also trains the language model, each step
     adding the demo corpus' text loss on `text_rows` rows of 128 tokens so the text skills are kept. aux > 0 adds
     a probe loss (weight aux, times AUX_WEIGHTS per attribute): linear heads on each image's mean and max embedding
     predict count, colour and shape (the probe is discarded; it only speeds up the tower's learning). distill (with
-    lm_lr > 0) makes the text loss the KL divergence from the untrained model's next-token distribution at every
+    lm_lr > 0) makes the text loss the KL divergence from the starting model's next-token distribution at every
     position of the corpus rows instead of their cross-entropy: the text model keeps its function, not only its
     skills, so its greedy answers and the MTP head trained on it stay as they were."""
     teacher = copy.deepcopy(model).eval() if distill and lm_lr > 0 else None
@@ -501,9 +502,9 @@ def main() -> None:
     ap.add_argument("--mtp-lr", type=float, default=1e-3)
     ap.add_argument("--mtp-text-rows", type=int, default=4, help="demo-corpus rows of 128 tokens per refit step")
     ap.add_argument("--distill", action="store_true",
-                    help="with --unfreeze-lm: the text loss is the KL from the untrained text model, not the corpus")
+                    help="with --unfreeze-lm: the text loss is the KL from the starting text model, not the corpus")
     ap.add_argument("--unfreeze-lm", type=float, default=0.0, metavar="LR",
-                    help="experiment: also train the language model at this learning rate (changes text weights)")
+                    help="also train the language model at this learning rate (changes text weights)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.eval_only:

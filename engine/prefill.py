@@ -26,6 +26,7 @@ split never depends on the token budget, the batch or K. What a block computes m
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -109,7 +110,8 @@ def splits_rows(model: Qwen35ForCausalLM) -> bool:
 @torch.inference_mode()
 def prefill_rows(model: Qwen35ForCausalLM, rows: list[SessionState], blocks: list[int] | None = None,
                  keep: list[list[int]] | None = None,
-                 after_block: Callable[[int, list[SessionState]], None] | None = None) -> None:
+                 after_block: Callable[[int, list[SessionState]], None] | None = None,
+                 defer: list[Callable[[], None]] | None = None) -> None:
     """Prefill the next grid blocks (`SessionState.next_chunks`: blocks[i] of row i, default 1 each) of every row's
     queued prompt in ONE trunk forward, each row's blocks one after the other in one row, then each row's host side
     block by block as `SessionState.prefill_chunk` does: for block j, every row that has one runs `prefilled`, the
@@ -119,6 +121,12 @@ def prefill_rows(model: Qwen35ForCausalLM, rows: list[SessionState], blocks: lis
     GDN chunks restart at each block: `FwdCtx.seg`) or the C path (`splits_rows`); keep[i]: the window slot for
     the GDN and conv state at each of row i's inner block boundaries (-1: not kept; never the live slot; on the C
     path each must be kept), so the caller can cache every block.
+
+    defer (a list; no row has images): the head forwards are not run here but appended to it, one callable per
+    block (the same rows in the same forwards; one that raises fails its rows), and the rows that ended their
+    prompt choose their first token at once, so it does not wait for them. The caller runs them, in order,
+    before anything else reads these rows' MTP scratch or queue (their next forward or round, a prefix-cache
+    write of their blocks: after_block's work then waits behind them too).
 
     Rows are right-padded to the longest: the padding's K/V land past the row's length (overwritten later) and its
     GDN tokens leave the state unchanged (`FwdCtx` lens), so each row ends in the state of its own tokens. The caller
@@ -152,6 +160,7 @@ def prefill_rows(model: Qwen35ForCausalLM, rows: list[SessionState], blocks: lis
     pre = model.forward_step(x, ctx, r0.pool) if emb is None else \
         model.forward_step(x, ctx, r0.pool, emb)  # [N, T, H]
     ok = set(range(len(live)))
+    owed = [0] * len(live)  # (defer) MTP rows of each row already handed to a deferred head forward
     for j in range(max(len(cs) for cs in chunks)):
         done = []
         for i, r in enumerate(live):
@@ -164,12 +173,13 @@ def prefill_rows(model: Qwen35ForCausalLM, rows: list[SessionState], blocks: lis
             except Exception as e:  # noqa: BLE001 - one row's host side (its logprobs, ...) fails that row
                 r.fail(e)
                 ok.discard(i)
-        try:
-            flush_mtp_rows(model, [live[i] for i in done])
-        except Exception as e:  # noqa: BLE001 - the batched head forward failed: its rows are in doubt
-            for i in done:
-                live[i].fail(e)
-                ok.discard(i)
+        if defer is not None:
+            counts = [live[i].mtp_ready - owed[i] for i in done]  # this block's rows (nothing written yet)
+            for i, c in zip(done, counts):
+                owed[i] += c
+            defer.append(functools.partial(flush_mtp_or_fail, model, [live[i] for i in done], counts))
+        elif not flush_mtp_or_fail(model, [live[i] for i in done]):
+            ok.difference_update(done)
             done = []
         for i in list(done):
             try:
@@ -183,17 +193,18 @@ def prefill_rows(model: Qwen35ForCausalLM, rows: list[SessionState], blocks: lis
             ok = {i for i in ok if live[i].error is None}  # a row whose block write failed stops here
 
 
-def flush_mtp_rows(model: Qwen35ForCausalLM, rows: list[SessionState]) -> None:
+def flush_mtp_rows(model: Qwen35ForCausalLM, rows: list[SessionState], counts: list[int] | None = None) -> None:
     """Write every row's ready MTP rows (`SessionState.mtp_ready`: a prompt block's last row waits for the next
-    block) into its scratch in ONE head forward, rows right-padded (the padding's K/V land past each row's scratch
-    length and are overwritten later). Rows of sessions that prefill alone or
-    finish go through here too (a row's rows are final once their next token is known)."""
-    rows = [r for r in rows if r.mtp_ready]
+    block; or its first counts[i] queued rows) into its scratch in ONE head forward, rows right-padded (the
+    padding's K/V land past each row's scratch length and are overwritten later). Rows of sessions that prefill
+    alone or finish go through here too (a row's rows are final once their next token is known)."""
+    counts = [r.mtp_ready for r in rows] if counts is None else counts
+    rows, counts = [r for r, c in zip(rows, counts) if c], [c for c in counts if c]
     if len(rows) <= 1:
-        for r in rows:
-            r._flush_mtp()
+        for r, c in zip(rows, counts):
+            r._flush_mtp(c)
         return
-    toks, hid, n = _queued_mtp_rows(rows, [r.mtp_ready for r in rows])  # [A, Tm], [A, Tm, H]
+    toks, hid, n = _queued_mtp_rows(rows, counts)  # [A, Tm], [A, Tm, H]
     r0, sc = rows[0], [r.scratch for r in rows]
     pos0 = [s.length for s in sc]
     emb, rope = _image_inputs(model, rows, toks, pos0, [r.input_embeds(p + 1, r._mtp_tokens[:k]) if r.images else None
@@ -207,6 +218,19 @@ def flush_mtp_rows(model: Qwen35ForCausalLM, rows: list[SessionState]) -> None:
     for r, k in zip(rows, n):
         r.scratch.set_len(r.scratch.length + k)
         r._mtp_tokens, r._mtp_hidden = r._mtp_tokens[k:], r._mtp_hidden[k:] if k < len(r._mtp_tokens) else None
+
+
+def flush_mtp_or_fail(model: Qwen35ForCausalLM, rows: list[SessionState], counts: list[int] | None = None) -> bool:
+    """`flush_mtp_rows`, failing every row of it (their requests get the error) if the batched head forward raises
+    (its rows are in doubt). Returns whether it ran; a failed row is skipped."""
+    live = [(r, c) for r, c in zip(rows, counts or [None] * len(rows)) if r.error is None]
+    try:
+        flush_mtp_rows(model, [r for r, _ in live], None if counts is None else [c for _, c in live])
+    except Exception as e:  # noqa: BLE001 - the batched head forward failed: its rows are in doubt
+        for r, _ in live:
+            r.fail(e)
+        return False
+    return True
 
 
 def _image_inputs(model: Qwen35ForCausalLM, rows: list[SessionState], ids: torch.Tensor, pos0: list[int],

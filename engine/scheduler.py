@@ -33,9 +33,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -178,6 +180,8 @@ class Scheduler:
         self._readers: set[SpecSession] = set()  # joining sessions that may still resume further (none prefilled)
         self._pkeys: dict[SpecSession, list[bytes]] = {}  # joining sessions' full prompt blocks' chain keys
         self._decode_blocks = False
+        #: prompt work a step left for later so its first tokens leave first (`settle`)
+        self._deferred: list[Callable[[], None]] = []
         if prefix_cache_bytes > 0:
             identity = f"{cfg!r}|{cfg.dtype}|{device}|{'row-wise' if self.packs else 'per-row'}|{id(model)}"
             self.cache = PrefixCache(self.pool, prefix_cache_bytes, identity)
@@ -319,6 +323,7 @@ class Scheduler:
 
     def remove(self, sess: SpecSession) -> None:
         """Take `sess` out of the batch and free its slot now (between steps)."""
+        self.settle()
         if self.policy is not None:
             self.policy.forget(sess)
         if sess in self.running:
@@ -377,17 +382,19 @@ class Scheduler:
             w.keys = block_keys(sess.committed, n, self.cache.root, w.keys, images=sess.image_keys)
         return w.keys
 
-    def _write_prefilled(self, rows: list[SpecSession], at: dict[SpecSession, int] | None = None) -> None:
+    def _write_prefilled(self, rows: list[SpecSession], at: dict[SpecSession, int] | None = None,
+                         ends: dict[SpecSession, tuple[int, int, torch.Tensor]] | None = None) -> None:
         """After a prefill block: cache the block each row just completed (its GDN and conv state at the boundary are
-        in window slot at[row], default the live one: a block that ended its forward). A row whose write raises
-        fails alone (`_row_failed`)."""
+        in window slot at[row], default the live one: a block that ended its forward; ends[row]: the row's cache
+        length, prompt tokens left and last pre-norm hidden at the block's end, default now). A row whose write
+        raises fails alone (`_row_failed`)."""
         pc = self.cache
-        at = at or {}
+        at, ends = at or {}, ends or {}
         for s in rows:
             w = self._writer(s)
-            L = s.cache.length
-            if w is not None and self._tails and s.prefill_left == TAIL_MARGIN and L % PREFILL_GRID and w.tail is None:
-                self._capture_tail(s, w, "tail", L, at.get(s, s.cache.cur), s.last_pre)
+            L, left, last_pre = ends.get(s) or (s.cache.length, s.prefill_left, s.last_pre)
+            if w is not None and self._tails and left == TAIL_MARGIN and L % PREFILL_GRID and w.tail is None:
+                self._capture_tail(s, w, "tail", L, at.get(s, s.cache.cur), last_pre)
                 self._write_tails(s)
             if w is None or L % PREFILL_GRID or L // PREFILL_GRID <= w.next:
                 continue
@@ -395,7 +402,7 @@ class Scheduler:
             try:
                 keys = self._keys(s, w, b + 1)
                 pc.insert(keys, s.committed, b, s.slot, s.slot if s.scratch is not None else None,
-                          window_slot=at.get(s, s.cache.cur), pre_last=s.last_pre)
+                          window_slot=at.get(s, s.cache.cur), pre_last=last_pre)
             except Exception as e:  # noqa: BLE001 - one session's block write fails that session only
                 self._row_failed(s, e, "writing a prefilled block")
                 continue
@@ -688,16 +695,46 @@ class Scheduler:
         kept = {s: k for s, k in zip(group, keep)}
         last = {s: n - 1 for s, n in zip(group, blocks)}
 
+        def at(j: int, rows: list[SpecSession]) -> dict[SpecSession, int]:
+            return {s: kept[s][j] for s in rows if j < last[s] and j < len(kept[s]) and kept[s][j] >= 0}
+
+        self._prefill_group(group, blocks, keep, at)
+
+    def _prefill_group(self, group: list[SpecSession], blocks: list[int] | None = None,
+                       keep: list[list[int]] | None = None,
+                       at: Callable[[int, list[SpecSession]], dict[SpecSession, int]] | None = None) -> None:
+        """`prefill_rows` of one forward, then (prefix cache) each completed block written from window slot
+        at(j, rows)[row] (default the live one). When the forward ends every row's prompt (nothing later in the step
+        touches these rows) and no row has images, the first tokens leave at once and the prompts' MTP head forwards
+        and block writes wait for `settle` (each write with its block's end state). A failing forward fails every
+        row of it."""
+        last_forward = all(s.chunks_len(n) == s.prefill_left for s, n in zip(group, blocks or [1] * len(group)))
+        later = self._deferred if last_forward and not any(s.images for s in group) else None
+
         def written(j: int, rows: list[SpecSession]) -> None:
-            if self.cache is not None:
-                self._write_prefilled(rows, {s: kept[s][j] for s in rows
-                                             if j < last[s] and j < len(kept[s]) and kept[s][j] >= 0})
+            if self.cache is None:
+                return
+            slots = at(j, rows) if at is not None else None
+            if later is None:
+                self._write_prefilled(rows, slots)
+            else:
+                ends = {s: (s.cache.length, s.prefill_left, s.last_pre) for s in rows}
+                later.append(functools.partial(self._write_prefilled, rows, slots, ends))
 
         try:
-            prefill_rows(self.model, group, blocks, keep, written)
+            prefill_rows(self.model, group, blocks, keep, written, defer=later)
         except Exception as e:  # noqa: BLE001 - the batched part failed: every row of it is in doubt
             for s in group:
                 s.fail(e)
+
+    def settle(self) -> None:
+        """Run what prefill steps left for later (`_prefill_group`): the prompts' MTP head forwards, in the forwards
+        they would have run in at once, and the prefix-cache writes of their blocks, in order. Each step runs it
+        first, a step that finishes a session runs it before the session leaves, and `remove` before anything
+        else; a session that failed meanwhile is skipped (a head forward that raises fails its rows)."""
+        work, self._deferred = self._deferred, []
+        for run in work:
+            run()
 
     def _tail_cut_next(self, s: SpecSession) -> bool:
         """Whether s's next block stops at its prompt's tail, the prompt's last TAIL_MARGIN tokens after it, and the
@@ -713,18 +750,13 @@ class Scheduler:
         for group in self._forwards(rows, two):
             if any(s in two for s in group):
                 self._prefill_row_blocks(group, [2 if s in two else 1 for s in group])
-                continue
-            try:
-                prefill_rows(self.model, group)
-            except Exception as e:  # noqa: BLE001 - the batched part failed: every row of it is in doubt
-                for s in group:
-                    s.fail(e)
-            if self.cache is not None:
-                self._write_prefilled(group)
+            else:
+                self._prefill_group(group)
 
     def step(self) -> StepResult:
         """One round for the running sessions, then prefill blocks under the token budget."""
         res = StepResult()
+        self.settle()
         self._patches_left, self._encoded = self.encoder_patch_blocks_per_step, False
         if self.encoder is not None and self.encoder.pending():  # partial encodes of sessions that left are dropped
             self.encoder.keep_pending({s.images[k].hash for s in self.joining if not s.finished
@@ -758,6 +790,8 @@ class Scheduler:
             if len(s.emitted) > before_n:
                 res.emitted.append((s, s.emitted[before_n:]))
         done = [s for s in self.running if s.finished]
+        if done:
+            self.settle()
         if done and self._decode_blocks:
             ready = [s for s in done if s.error is None and (w := self._writes.get(s)) is not None
                      and (w.pending or w.tail or w.gen_tail)]

@@ -602,10 +602,10 @@ class SessionState:
         self._mtp_tokens = self._mtp_tokens + tokens
         self._mtp_hidden = hidden if self._mtp_hidden is None else torch.cat([self._mtp_hidden, hidden])
 
-    def _flush_mtp(self) -> None:
-        """Write the queued MTP rows that are ready (`mtp_ready`) into the scratch (prefill: their next tokens are
-        prompt tokens, so final)."""
-        n = self.mtp_ready
+    def _flush_mtp(self, n: int | None = None) -> None:
+        """Write the first n queued MTP rows (default: those that are ready, `mtp_ready`) into the scratch (prefill:
+        their next tokens are prompt tokens, so final)."""
+        n = self.mtp_ready if n is None else n
         if n == 0:
             return
         sc = self.scratch

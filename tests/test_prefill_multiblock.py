@@ -52,6 +52,7 @@ def _run(m, prompts, k: int, packed: bool, cache: bool, monkeypatch, n_new: int 
     for s in ss:
         sched.add(s)
     sched.step()
+    sched.settle()  # the prompts' MTP rows and block writes wait behind their first tokens
     assert not sched.joining and all(s.error is None and len(s.emitted) >= 1 for s in ss)
     return ss, sched, forwards
 

@@ -257,6 +257,35 @@ def test_a_prompts_tail_cut_shares_the_forward_of_the_prompts_rest(model, monkey
         _same(hit.rows, _alone(model, p + _prompt(V, 5, 93), 6).rows, "from a tail kept in a window slot")
 
 
+def test_a_first_token_leaves_before_its_prompts_mtp_rows_and_block_writes(model, monkeypatch):
+    """The step whose forward ends a prompt emits the first token without running the prompt's MTP head forwards or
+    writing its prefix-cache blocks: those wait for the next step's start (`Scheduler.settle`) and leave what running
+    them at once leaves: the request's bits, and a tail the next turn resumes from with a cold run's bits."""
+    V = model.config.vocab_size
+    sched = _sched(model, cache_mb=64)
+    turn1 = _prompt(V, G + 100, 94)
+    _run(sched, {0: [SpecSession(model, turn1, 4, k=3, pool=sched.pool)]})
+    heads: list[int] = []
+    real = type(model).mtp_forward
+    monkeypatch.setattr(type(model), "mtp_forward", lambda self, *a, **kw: (heads.append(1), real(self, *a, **kw))[1])
+    turn2 = turn1 + _prompt(V, 70, 95)
+    b = Rows(model, turn2, 6, k=3, pool=sched.pool)
+    sched.add(b)
+    assert b.cached_tokens == len(turn1) - TAIL_MARGIN
+    sched.step()
+    assert b.emitted and not heads, "the first token waited for the prompt's MTP head forwards"
+    assert b.scratch.length == b.cached_tokens - 1  # none of the new prompt rows written yet
+    sched.settle()
+    assert heads and b.scratch.length == len(turn2) - 1, "the deferred head forwards wrote every prompt row"
+    _run(sched, {})
+    _same(b.rows, _alone(model, turn2, 6).rows, "a turn whose first token left before its MTP rows")
+    turn3 = turn2 + _prompt(V, 30, 96)
+    c = Rows(model, turn3, 6, k=3, pool=sched.pool)
+    _run(sched, {0: [c]})
+    assert c.cached_tokens == len(turn2) - TAIL_MARGIN, "the deferred write cached the prompt's tail"
+    _same(c.rows, _alone(model, turn3, 6).rows, "from a tail written after the first token")
+
+
 def test_tails_are_leaves_of_their_chain(model):
     """A tail hangs under its chain's last block: eviction takes the tail before that block, lookup_tail verifies
     its tokens and parent, and insert_tail refuses a tail whose chain is not cached."""

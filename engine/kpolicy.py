@@ -3,16 +3,19 @@
 `KPolicySpec` is what the operator asked for (K_max, adaptive or fixed, an optional K cap by batch size).
 `KPolicy` decides, from two things it learns:
   * per row, the conditional acceptance a_j of draft position j (given drafts 0..j-1 were accepted): counts decayed
-    by `DECAY` every round (evidence a row at k = 0 no longer renews fades, so it drafts again), blended with a pooled estimate over every row (the prior of a new row, and of a
-    position the row never reached: the row's own previous position otherwise);
+    by `DECAY` every round (evidence a row at k = 0 no longer renews fades, so it drafts again), blended with a
+    pooled estimate over every row (the prior of a new row, and of a position the row never reached: the row's
+    own previous position otherwise);
   * the cost table c(B, T): seconds of one round of B rows (a batch-size bucket) at verify width T, profiled at
     startup on the real model (`profile_costs`: the forwards alone) and refined by an EMA of measured round times
     (`observe_time`); a width not measured yet is its profile plus the bucket's measured overhead (the host's work
     of a round, which the profile leaves out: without it deeper widths would look dearer than they are), and a
     measured width's own estimate fades back to that (by `STALE` for every round of its bucket at another width),
     so one slow measurement cannot keep a width unchosen, and so unmeasured again, for good.
-A row expects E(k) = 1 + sum_{j<k} prod_{i<=j} a_i tokens from k drafts. Each row's own best k* maximises E(k) /
-c(B, k+1); the batch's T maximises sum_r E_r(min(k*_r, T-1)) / c(B, T), rows drafting min(k*_r, T-1). Rows at
+A row expects E(k) = 1 + sum_{j<k} prod_{i<=j} a_i tokens from k drafts; its useful depth d is the number of
+drafts it reaches with a chance of at least `USEFUL` (E(j+1) - E(j) >= USEFUL). The batch's T maximises
+sum_r E_r(min(d_r, T-1)) / c(B, T), rows drafting min(d_r, T-1): the verify pads every row to T, so a row whose
+drafts alone would not pay for a wider verify still drafts when another row's widened it. Rows at
 k = 0 are probed at k = 1 on probe rounds (every `PROBE_EVERY` rounds, doubling up to `PROBE_MAX` while probes
 fail), and rows at 0 < k < cap probe k + 1 then: their estimates can recover and deepen. Exactness never depends
 on any of this: spec == plain for every k of every row in every round.
@@ -43,6 +46,8 @@ SPIKE = 1.5
 STALE = 0.97
 #: Widths T are kept unless another's rate is this much better (ties: the smaller T).
 MARGIN = 1e-3
+#: A row drafts position j only while its chance of reaching it (prod_{i<=j} a_i: E(j + 1) - E(j)) is at least this.
+USEFUL = 0.1
 
 
 @dataclass(frozen=True)
@@ -118,12 +123,10 @@ class KPolicy:
     _probe_hits: int = 0
     last_t: int = 1
     _bucket_of: dict[int, int] = field(default_factory=dict)
-    _pen: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         K = self.spec.k_max
         self.pool = self.pool or _Est([0.0] * K, [0.0] * K)
-        self._pen = [(1 + MARGIN) ** -k for k in range(K + 1)]
 
     def bucket(self, n: int) -> int:
         """The cost table's bucket for n rows (the smallest >= n; the largest beyond it)."""
@@ -186,18 +189,19 @@ class KPolicy:
                 e.decay(DECAY)
         B = self.bucket(n)
         c = [self.seconds(B, T) for T in range(1, cap + 2)]  # c[T-1]
-        pen = self._pen  # (1 + MARGIN)^-k: ties to the smaller k
         pa = self.pooled()
         E = [self.curve(self.accept(r, pa), cap) for r in rows]  # E[i][k]: row i's tokens from k drafts
-        best = [max(range(cap + 1), key=lambda k, e=e: e[k] / c[k] * pen[k]) for e in E]  # each row alone: tokens/s
-        ks = best  # every row best at k = 0: whatever T wins, every row drafts min(0, T - 1) = 0
-        if any(best):
+        # each row's useful depth: the drafts it reaches with a chance >= USEFUL (E's steps only shrink); the verify
+        # pads every row to T, so a row's drafts below T cost only its share of the draft forwards
+        deep = [sum(e[k + 1] - e[k] >= USEFUL for k in range(cap)) for e in E]
+        ks = deep  # no row has a useful draft: whatever T wins, every row drafts min(0, T - 1) = 0
+        if any(deep):
             rate, T = -1.0, 1
             for t in range(1, cap + 2):
-                r = sum(e[min(b, t - 1)] for e, b in zip(E, best)) / c[t - 1]
+                r = sum(e[min(d, t - 1)] for e, d in zip(E, deep)) / c[t - 1]
                 if r > rate * (1 + MARGIN):
                     rate, T = r, t
-            ks = [min(b, T - 1) for b in best]
+            ks = [min(d, T - 1) for d in deep]
         self._probing = self.rounds % self.probe_every == 0
         if self._probing:  # rows at 0 try 1, rows below the cap try one deeper
             ks = [min(k + 1, cap) for k in ks]

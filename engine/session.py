@@ -196,7 +196,7 @@ class SessionState:
         self._gen.manual_seed(sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
         # MTP rows waiting to be written: row i = (token i+1, carrier hidden h_i), rows scratch.length..
         self._mtp_tokens: list[int] = []
-        self._mtp_hidden: torch.Tensor | None = None
+        self._mtp_parts: list[torch.Tensor] = []  # their carriers [n_i, H], concatenated when read (`_mtp_hidden`)
         self.prefill_tokens = 0  # tokens run through prefill (multi-turn reuse prefills only the new suffix)
         self.cached_tokens = 0  # prompt tokens restored from the prefix cache instead of prefilled
         self.last_pre: torch.Tensor | None = None  # [H] pre-norm hidden of the last position prefilled
@@ -598,9 +598,22 @@ class SessionState:
         ctx = FwdCtx.make(self.cfg, self.device, self.dtype, [self.slot], [n - 1], [0], [0], 1, False)
         return self.model.model.norm(pre[None], ctx)
 
+    @property
+    def _mtp_hidden(self) -> torch.Tensor | None:
+        """The queued MTP rows' carriers [n, H] (None: no queue). Queued a piece at a time (a plain row queues one a
+        round), concatenated once, when read."""
+        parts = self._mtp_parts
+        if len(parts) > 1:
+            parts[:] = [torch.cat(parts)]
+        return parts[0] if parts else None
+
+    @_mtp_hidden.setter
+    def _mtp_hidden(self, hidden: torch.Tensor | None) -> None:
+        self._mtp_parts = [] if hidden is None else [hidden]
+
     def _queue_mtp_rows(self, tokens: list[int], hidden: torch.Tensor) -> None:
         self._mtp_tokens = self._mtp_tokens + tokens
-        self._mtp_hidden = hidden if self._mtp_hidden is None else torch.cat([self._mtp_hidden, hidden])
+        self._mtp_parts.append(hidden)
 
     def _flush_mtp(self, n: int | None = None) -> None:
         """Write the first n queued MTP rows (default: those that are ready, `mtp_ready`) into the scratch (prefill:

@@ -555,6 +555,12 @@ class PrefixCache:
     def contains(self, key: bytes) -> bool:
         return key in self._index
 
+    def refresh(self, key: bytes) -> bool:
+        """Whether `key` (a block's or a tail's) is cached; if it is, it and its ancestors become the most recently
+        used, as a write of the same rows would make them."""
+        self._touch(key)
+        return key in self._index
+
     def insert(self, keys: list[bytes], tokens: list[int], b: int, slot: int, mtp_slot: int | None, *,
                window_slot: int | None = None, pre_last: torch.Tensor | None = None, bid: int | None = None) -> bool:
         """Cache block b of a session in pool slot `slot` whose sequence starts with `tokens` (at least (b+1)G of

@@ -42,7 +42,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache import PREFILL_GRID, TAIL_MARGIN, GdnPool, PrefixCache, PrefixCacheStats, StatePool, block_keys, pool_bytes
+from .cache import (PREFILL_GRID, TAIL_MARGIN, GdnPool, PrefixCache, PrefixCacheStats, StatePool, block_keys,
+                    pool_bytes, tail_key)
 from .encoder import ImageEncoder, image_patches
 from .graphs import EAGER, GraphRunner, StepRunner, graph_buckets, padding_rows
 from .images import VisionStats
@@ -526,6 +527,26 @@ class Scheduler:
             w.pending = keep
             self._write_tails(s)
 
+    def _skip_cached(self, s: SpecSession) -> None:
+        """Give back the captured blocks and generation tail of `s` (finished) that the cache holds already (an
+        earlier request wrote the same rows; they become the most recently used): its last MTP rows are flushed
+        only for what is left to write."""
+        pc, w = self.cache, self._writes.get(s)
+        if pc is None or w is None or s.error is not None:
+            return
+        keep = []
+        for b, bid in w.pending:
+            if pc.refresh(self._keys(s, w, b + 1)[b]):
+                pc.release(bid)
+            else:
+                keep.append((b, bid))
+        w.pending = keep
+        if w.gen_tail is not None:
+            (b, t), bid = divmod(w.gen_tail[0], PREFILL_GRID), w.gen_tail[1]
+            if pc.refresh(tail_key(s.committed, b, t, pc.root, self._keys(s, w, b), s.image_keys)):
+                pc.release(bid)
+                w.gen_tail = None
+
     def _drop_writes(self, sess: SpecSession) -> None:
         w = self._writes.pop(sess, None)
         if w is not None:
@@ -793,6 +814,8 @@ class Scheduler:
         if done:
             self.settle()
         if done and self._decode_blocks:
+            for s in done:
+                self._skip_cached(s)
             ready = [s for s in done if s.error is None and (w := self._writes.get(s)) is not None
                      and (w.pending or w.tail or w.gen_tail)]
             if ready:

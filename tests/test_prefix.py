@@ -286,6 +286,34 @@ def test_a_first_token_leaves_before_its_prompts_mtp_rows_and_block_writes(model
     _same(c.rows, _alone(model, turn3, 6).rows, "from a tail written after the first token")
 
 
+def test_a_finished_request_whose_rows_are_cached_flushes_no_mtp_rows_for_them(model, monkeypatch):
+    """A request's last MTP rows are flushed at its end only for the prefix cache (its decoded blocks and the tail at
+    its end). When the cache holds those already (the same request again: greedy, the same answer), they are given
+    back unwritten and no head forward runs for them; the entries stay, and a next turn resumes from the tail
+    with a cold run's bits."""
+    import engine.scheduler as scheduler_mod
+    V = model.config.vocab_size
+    sched = _sched(model, cache_mb=64)
+    turn1 = _prompt(V, G + 100, 97)
+    flushed: list[list[SpecSession]] = []
+    real = scheduler_mod.flush_mtp_rows
+    monkeypatch.setattr(scheduler_mod, "flush_mtp_rows", lambda m, rows, *a: (flushed.append(rows), real(m, rows, *a)))
+    a = SpecSession(model, turn1, 300, k=3, pool=sched.pool)
+    _run(sched, {0: [a]})
+    assert [a] in flushed, "the first request's end flushed its last MTP rows"
+    blocks = sched.cache.stats.blocks
+    b = SpecSession(model, turn1, 300, k=3, pool=sched.pool)
+    _run(sched, {0: [b]})
+    assert b.emitted == a.emitted and len(turn1) + len(b.emitted) > 2 * G  # a decoded block and a tail past it
+    assert not any(b in rows for rows in flushed), "rows the cache held were flushed again"
+    assert sched.cache.stats.blocks == blocks
+    turn2 = turn1 + a.emitted + _prompt(V, 40, 98)
+    c = Rows(model, turn2, 6, k=3, pool=sched.pool)
+    _run(sched, {0: [c]})
+    assert c.cached_tokens == len(turn1) + len(a.emitted) - 1
+    _same(c.rows, _alone(model, turn2, 6).rows, "a next turn from a tail its repeat did not write again")
+
+
 def test_tails_are_leaves_of_their_chain(model):
     """A tail hangs under its chain's last block: eviction takes the tail before that block, lookup_tail verifies
     its tokens and parent, and insert_tail refuses a tail whose chain is not cached."""

@@ -260,26 +260,44 @@ class KPolicy:
 
 
 def profile_costs(run: Callable[[int, int], None], buckets: list[int], t_max: int, *, points: int = 3,
-                  reps: int = 2, clock: Callable[[], float] = time.perf_counter) -> dict[tuple[int, int], float]:
+                  reps: int = 3, clock: Callable[[], float] = time.perf_counter) -> dict[tuple[int, int], float]:
     """The cost table {(bucket, T): seconds} for T = 1..t_max: `run(n, T)` runs one round's forwards (the verify
-    of n x T tokens and its drafts) and must block until done; timed (best of `reps`, after one warm-up) at up to
-    `points` buckets (the smallest, the largest, and spread between), linear in the bucket between them."""
+    of n x T tokens and its drafts) and must block until done; timed at up to `points` buckets (the smallest, the
+    largest, and spread between), linear in the bucket between them. At a bucket, after one warm-up of each width,
+    the widths are timed in turn `reps` times (a slow spell of the host hits several widths once each, not one
+    width every time) and each keeps its best; the bucket's row is then made nondecreasing in T (a wider round does
+    all of a narrower one's work and more: an inversion is the host's noise; adjacent violators are pooled)."""
     pick = sorted({buckets[round(i * (len(buckets) - 1) / max(1, points - 1))] for i in range(points)})
     meas: dict[tuple[int, int], float] = {}
+    widths = range(1, t_max + 1)
     for b in pick:
-        for T in range(1, t_max + 1):
+        for T in widths:
             run(b, T)
-            best = float("inf")
-            for _ in range(reps):
+        best = [float("inf")] * t_max
+        for _ in range(reps):
+            for T in widths:
                 t0 = clock()
                 run(b, T)
-                best = min(best, clock() - t0)
-            meas[(b, T)] = best
+                best[T - 1] = min(best[T - 1], clock() - t0)
+        for T, sec in zip(widths, _nondecreasing(best)):
+            meas[(b, T)] = sec
     out = {}
     for b in buckets:
         lo = max((p for p in pick if p <= b), default=pick[0])
         hi = min((p for p in pick if p >= b), default=pick[-1])
-        for T in range(1, t_max + 1):
+        for T in widths:
             f = 0.0 if hi == lo else (b - lo) / (hi - lo)
             out[(b, T)] = (1 - f) * meas[(lo, T)] + f * meas[(hi, T)]
     return out
+
+
+def _nondecreasing(xs: list[float]) -> list[float]:
+    """The nondecreasing sequence nearest to xs in least squares: runs that decrease are pooled to their mean."""
+    runs: list[list[float]] = []  # [sum, count] of each pooled run
+    for x in xs:
+        runs.append([x, 1])
+        while len(runs) > 1 and runs[-2][0] / runs[-2][1] > runs[-1][0] / runs[-1][1]:
+            tot, n = runs.pop()
+            runs[-1][0] += tot
+            runs[-1][1] += n
+    return [tot / n for tot, n in runs for _ in range(int(n))]

@@ -200,6 +200,21 @@ def test_profile_costs_interpolates_between_timed_buckets():
     assert costs[(8, 1)] == pytest.approx(11 + (7 / 15) * 150)
 
 
+def test_profile_costs_time_the_widths_in_turn_and_keep_the_table_nondecreasing_in_t():
+    """A slow spell of the host over three timings in a row costs no width its true time (each width is timed once
+    in it at most); a width measured cheaper than a narrower one is pooled with it."""
+    t, calls = [0.0], [0]
+    work = {1: 10.0, 2: 14.0, 3: 12.0}  # T = 3 "measures" cheaper than T = 2
+
+    def run(n, T):
+        calls[0] += 1
+        t[0] += work[T] + (100.0 if 6 <= calls[0] <= 8 else 0.0)
+
+    costs = profile_costs(run, [8], 3, points=1, reps=3, clock=lambda: t[0])
+    assert [costs[(8, T)] for T in (1, 2, 3)] == [10.0, 13.0, 13.0]
+    assert calls[0] == 3 + 3 * 3  # one warm-up and three timings per width
+
+
 def test_measured_round_times_refine_the_table_and_unmeasured_widths_carry_the_overhead():
     pol = _policy()
     pol.observe_time(1, 1, 2.0)  # profiled 1.0: the host adds 1.0 a round

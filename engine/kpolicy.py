@@ -96,10 +96,7 @@ class _Est:
             self.n[j] += 1.0
 
     def decay(self, f: float) -> None:
-        h, n = self.hit, self.n
-        for j in range(len(h)):
-            h[j] *= f
-            n[j] *= f
+        self.hit, self.n = [h * f for h in self.hit], [n * f for n in self.n]
 
 
 @dataclass
@@ -154,9 +151,11 @@ class KPolicy:
         if e is None:
             return pa
         out: list[float] = []
-        for j, (h, n, pj) in enumerate(zip(e.hit, e.n, pa)):
+        prev = None
+        for h, n, pj in zip(e.hit, e.n, pa):
             # a position the row never reached: its own position j-1's estimate
-            out.append(out[-1] if n < 0.5 and j > 0 else (h + PRIOR_WEIGHT * pj) / (n + PRIOR_WEIGHT))
+            prev = prev if n < 0.5 and prev is not None else (h + PRIOR_WEIGHT * pj) / (n + PRIOR_WEIGHT)
+            out.append(prev)
         return out
 
     @staticmethod
@@ -174,6 +173,17 @@ class KPolicy:
             out.append(e)
         return out
 
+    @staticmethod
+    def _curve(a: list[float], k: int) -> tuple[list[float], int]:
+        """(`curve(a, k)`, the number of drafts j < k reached with a chance prod_{i<=j} a_i >= USEFUL)."""
+        e, p, out, d = 1.0, 1.0, [1.0], 0
+        for j in range(k):
+            p *= a[j]
+            e += p
+            out.append(e)
+            d += p >= USEFUL
+        return out, d
+
     def plan(self, rows: list[Hashable]) -> list[int]:
         """Each row's k for the next round (a round over `rows`, in order; none: [])."""
         if not rows:
@@ -183,22 +193,25 @@ class KPolicy:
         if not self.spec.adaptive or cap == 0:
             self.last_t = cap + 1
             return [cap] * n
+        B = self.bucket(n)
+        c = [self.seconds(B, T) for T in range(1, cap + 2)]  # c[T-1]
+        pa = self.pooled()
+        # E[i][k]: row i's tokens from k drafts; deep[i]: its useful depth, the drafts it reaches with a chance >=
+        # USEFUL (the verify pads every row to T, so a row's drafts below T cost only its share of the draft forwards)
+        deep: list[int] = []
+        tot = [0.0] * (cap + 1)  # tot[T-1] = sum_r E_r(min(d_r, T - 1)): the batch's tokens at width T
         for r in rows:
             e = self.rows.get(r)
             if e is not None:
                 e.decay(DECAY)
-        B = self.bucket(n)
-        c = [self.seconds(B, T) for T in range(1, cap + 2)]  # c[T-1]
-        pa = self.pooled()
-        E = [self.curve(self.accept(r, pa), cap) for r in rows]  # E[i][k]: row i's tokens from k drafts
-        # each row's useful depth: the drafts it reaches with a chance >= USEFUL (E's steps only shrink); the verify
-        # pads every row to T, so a row's drafts below T cost only its share of the draft forwards
-        deep = [sum(e[k + 1] - e[k] >= USEFUL for k in range(cap)) for e in E]
+            curve, d = self._curve(self.accept(r, pa), cap)
+            deep.append(d)
+            tot = [x + y for x, y in zip(tot, curve[:d + 1] + [curve[d]] * (cap - d))]
         ks = deep  # no row has a useful draft: whatever T wins, every row drafts min(0, T - 1) = 0
         if any(deep):
             rate, T = -1.0, 1
             for t in range(1, cap + 2):
-                r = sum(e[min(d, t - 1)] for e, d in zip(E, deep)) / c[t - 1]
+                r = tot[t - 1] / c[t - 1]
                 if r > rate * (1 + MARGIN):
                     rate, T = r, t
             ks = [min(d, T - 1) for d in deep]

@@ -1,6 +1,7 @@
 """The speculation length controller against fixed K, through `nextn serve`: aggregate streaming tokens/s of 1 and
 8 greedy clients on servers at their defaults (the controller on) and with --no-spec-adaptive at fixed K in
---ks, interleaved round by round in one run (the box's load hits every server alike), as ratios.
+--ks, interleaved round by round in one run (the box's load hits every server alike), as ratios: of the medians,
+and paired (the median of each repeat's ratio, the servers a few seconds apart: a slow spell of the box cancels).
 
 Workloads: `zero-demo` and `zero-0.8b`: random weights (zero acceptance) at the demo shape and at the Qwen3.5-0.8B
 shape (built once under ~/.cache/nextn/bench); `demo`: the demo model (models/demo) on chat prompts (high
@@ -94,9 +95,12 @@ def main() -> int:
                 fixed = {n: v for n, v in med.items() if n.startswith("K=")}
                 best = max(fixed, key=fixed.get)
                 a = med["adaptive"]
+
+                def paired(other: str) -> float:  # the median of the repeats' ratios: servers side by side in time
+                    return statistics.median(x / y for x, y in zip(runs["adaptive"], runs[other]))
                 print(f"| {name} | {c} | {a:.1f} | " + " | ".join(f"{n} {v:.1f}" for n, v in fixed.items())
-                      + f" | {a / med['K=0']:.2f}x plain | {a / fixed[best]:.2f}x best ({best}) | "
-                      f"{time.monotonic() - t0:.0f} s |", flush=True)
+                      + f" | {a / med['K=0']:.2f}x plain (paired {paired('K=0'):.2f}x) | {a / fixed[best]:.2f}x best "
+                      f"({best}; paired {paired(best):.2f}x) | {time.monotonic() - t0:.0f} s |", flush=True)
         finally:
             for s in servers.values():
                 s.close()

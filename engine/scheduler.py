@@ -534,18 +534,19 @@ class Scheduler:
         pc, w = self.cache, self._writes.get(s)
         if pc is None or w is None or s.error is not None:
             return
-        keep = []
-        for b, bid in w.pending:
-            if pc.refresh(self._keys(s, w, b + 1)[b]):
+        try:
+            held = [pc.refresh(self._keys(s, w, b + 1)[b]) for b, _ in w.pending]
+            b, t = divmod(w.gen_tail[0], PREFILL_GRID) if w.gen_tail is not None else (0, 0)
+            tail = t > 0 and pc.refresh(tail_key(s.committed, b, t, pc.root, self._keys(s, w, b), s.image_keys))
+        except Exception:  # noqa: BLE001 - a shortcut only: the writes go the usual way, which handles failures
+            return
+        for (_, bid), h in zip(w.pending, held):
+            if h:
                 pc.release(bid)
-            else:
-                keep.append((b, bid))
-        w.pending = keep
-        if w.gen_tail is not None:
-            (b, t), bid = divmod(w.gen_tail[0], PREFILL_GRID), w.gen_tail[1]
-            if pc.refresh(tail_key(s.committed, b, t, pc.root, self._keys(s, w, b), s.image_keys)):
-                pc.release(bid)
-                w.gen_tail = None
+        w.pending = [x for x, h in zip(w.pending, held) if not h]
+        if tail:
+            pc.release(w.gen_tail[1])
+            w.gen_tail = None
 
     def _drop_writes(self, sess: SpecSession) -> None:
         w = self._writes.pop(sess, None)

@@ -161,21 +161,12 @@ class KPolicy:
     @staticmethod
     def expected(a: list[float], k: int) -> float:
         """E(k) = 1 + sum_{j<k} prod_{i<=j} a_i: tokens one round emits with k drafts."""
-        return KPolicy.curve(a, k)[k]
+        return KPolicy.curve(a, k)[0][k]
 
     @staticmethod
-    def curve(a: list[float], k: int) -> list[float]:
-        """[E(0), ..., E(k)] in one pass (each E(j) bitwise `expected(a, j)`)."""
-        e, p, out = 1.0, 1.0, [1.0]
-        for j in range(k):
-            p *= a[j]
-            e += p
-            out.append(e)
-        return out
-
-    @staticmethod
-    def _curve(a: list[float], k: int) -> tuple[list[float], int]:
-        """(`curve(a, k)`, the number of drafts j < k reached with a chance prod_{i<=j} a_i >= USEFUL)."""
+    def curve(a: list[float], k: int) -> tuple[list[float], int]:
+        """([E(0), ..., E(k)] in one pass (each E(j) bitwise `expected(a, j)`), the useful depth: the number of drafts
+        j < k reached with a chance prod_{i<=j} a_i >= USEFUL)."""
         e, p, out, d = 1.0, 1.0, [1.0], 0
         for j in range(k):
             p *= a[j]
@@ -204,7 +195,7 @@ class KPolicy:
             e = self.rows.get(r)
             if e is not None:
                 e.decay(DECAY)
-            curve, d = self._curve(self.accept(r, pa), cap)
+            curve, d = self.curve(self.accept(r, pa), cap)
             deep.append(d)
             tot = [x + y for x, y in zip(tot, curve[:d + 1] + [curve[d]] * (cap - d))]
         ks = deep  # no row has a useful draft: whatever T wins, every row drafts min(0, T - 1) = 0

@@ -65,13 +65,15 @@ class SpecSampling:
 class PenaltyState:
     """Per-session logits processing state, on the device: `seen` [V] (prompt + output, repetition penalty),
     `counts` [V] (output only, frequency / presence penalties), the dense logit bias [V] (None when empty) and
-    the stop ids min_tokens masks."""
+    the stop ids min_tokens masks. Given a `sampling` without penalties, `seen` and `counts` stay empty (`apply`
+    with that sampling never reads them): a long prompt's ids are not scattered for nothing."""
 
     def __init__(self, prompt_ids: list[int], vocab_size: int, device: torch.device | str,
                  sampling: SpecSampling | None = None, stop_ids: list[int] | tuple[int, ...] | set[int] = ()):
         self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
         self.counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
-        if prompt_ids:
+        self.tracks = sampling is None or sampling.has_penalties
+        if prompt_ids and self.tracks:
             self.seen[torch.tensor(prompt_ids, device=device)] = True
         self.bias: torch.Tensor | None = None
         if sampling is not None and sampling.logit_bias:
@@ -83,7 +85,9 @@ class PenaltyState:
         self.stop_ids = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
 
     def push(self, toks: list[int]) -> None:
-        """Record emitted tokens."""
+        """Record emitted tokens (nothing to record without penalties: `tracks`)."""
+        if not self.tracks:
+            return
         idx = torch.tensor(toks, device=self.seen.device)
         self.seen[idx] = True
         self.counts.index_add_(0, idx, torch.ones(len(toks), device=idx.device))

@@ -6,11 +6,11 @@ the prefix cache.
 sessions, up to `max_num_batched_tokens` tokens per step in all (the round's N x (k+1) tokens count first), so a
 long prompt never freezes the running streams for longer than one block. A prompt's blocks are those of the fixed
 grid (`engine.cache.PREFILL_GRID`, `engine.prefill`): the budget decides how many blocks a session gets in a step,
-never where a block splits (a step with a joining prompt runs at least one block). On the kernel path a session's
-granted blocks run as one row of one forward (`_prefill_blocks`; at most K+1 while the prefix cache writes), rows of
-several sessions packed together; elsewhere the blocks of a step run in waves (the first block of every session
-granted one, then the second, ...), each wave one forward when the model's prefill is row-wise
-(`engine.prefill.packs_rows`), else one forward per session. A session joins (`add`) once it
+never where a block splits (a step with a joining prompt runs at least one block). On the kernel path, and on the C
+path while the prefix cache writes a session's blocks, a session's granted blocks run as one row of one forward
+(`_prefill_blocks`; at most K+1 while the prefix cache writes), rows of several sessions packed together; elsewhere
+the blocks of a step run in waves (the first block of every session granted one, then the second, ...), each wave one
+forward when the model's prefill is row-wise (`engine.prefill.packs_rows`), else one forward per session. A session joins (`add`) once it
 holds a pool slot and leaves between steps; its slot is returned the moment it finishes, fails or is removed.
 
 The prefix cache (`engine.cache.PrefixCache`, on when `prefix_cache_bytes` > 0): a joining session resumes from the
@@ -188,8 +188,9 @@ class Scheduler:
             self.cache = PrefixCache(self.pool, prefix_cache_bytes, identity)
             self._decode_blocks = steps_match_prefill(model)
         self._tails = self._decode_blocks  # tails need a block that splits anywhere with the same bits
-        # ... and where a row may carry two blocks (C path), a prompt's tail cut costs no forward of its own
-        self._split_tails = self._tails and splits_rows(model) and self.pool.window >= 2
+        # ... and where a row may carry several blocks (C path), a session the cache writes prefills the blocks it was
+        # granted, its tail cut too, as one row (each inner boundary's state kept in a spare window slot)
+        self._c_multiblock = self._tails and splits_rows(model) and self.pool.window >= 2
         #: the speculation controller (None: fixed K); `spec_k_counts[k]`: rounds x rows that drafted k
         self.policy: KPolicy | None = None
         self.spec_k_counts = [0] * (self.k + 1)
@@ -631,12 +632,11 @@ class Scheduler:
                 break  # arrival order: a later prompt never overtakes one that waits for budget
         return out + failed
 
-    def _forwards(self, rows: list[SpecSession], two: set[SpecSession] = frozenset()) -> list[list[SpecSession]]:
+    def _forwards(self, rows: list[SpecSession]) -> list[list[SpecSession]]:
         """One wave's forwards, in order: one row each unless the model's prefill is row-wise (`packs_rows`, asked again
         on the kernel path: a kernel that fell back to its twin since ends the packing); then a
         row joins the previous forward while its padded size (rows x longest block) stays within
-        max_num_batched_tokens and every row's slot has room for the padding, else it starts the next one (a row in
-        `two` counts its two blocks)."""
+        max_num_batched_tokens and every row's slot has room for the padding, else it starts the next one."""
         if not self.packs or (self._prefill_kernels is not None
                               and not packs_rows(self.model, self._prefill_kernels)):
             return [[s] for s in rows]
@@ -644,7 +644,7 @@ class Scheduler:
         for s in rows:
             if out:
                 group = out[-1]
-                T = max(x.chunks_len(2 if x in two else 1) for x in (*group, s))
+                T = max(x.next_chunk_len for x in (*group, s))
                 if (len(group) + 1) * T <= self.max_num_batched_tokens and \
                         all(x.cache.length + T <= self.pool.capacity for x in (*group, s)):
                     group.append(s)
@@ -653,37 +653,43 @@ class Scheduler:
         return out
 
     def _multiblock(self) -> bool:
-        """Whether a session's granted blocks share one forward as one row: on the kernel path while every prefill
-        kernel runs (the GDN kernel restarts its chunks at each block: bits as one block per forward); the C and
-        torch paths prefill one block per forward, in waves."""
+        """Whether a session's granted blocks may share one forward as one row: on the kernel path while every prefill
+        kernel runs (the GDN kernel restarts its chunks at each block: bits as one block per forward); on the C path
+        while the prefix cache keeps blocks and tails (`splits_rows`: the recurrence runs token by token, each inner
+        boundary's state kept in a window slot of its own, so only a session the cache writes carries several:
+        `_blocks_per_row`). The torch path prefills one block per forward, in waves."""
+        if self._c_multiblock:
+            return self.packs
         return self.packs and self._prefill_kernels is not None and packs_rows(self.model, self._prefill_kernels)
 
     def _blocks_per_row(self, s: SpecSession, n: int) -> int:
-        """How many of its n granted blocks session s prefills in its next forward (kernel path): all of them, at
+        """How many of its n granted blocks session s prefills in its next forward (`_multiblock`): all of them, at
         most K+1 while the prefix cache writes its blocks (each inner boundary's state waits in one of the other K
         window slots until the block is cached), one for a session with images (its embeddings and M-RoPE rows go
-        block by block), and no more than fit max_num_batched_tokens (at least one)."""
+        block by block) and, on the C path, for a session the cache does not write (no slot keeps its boundaries),
+        and no more than fit max_num_batched_tokens (at least one)."""
         if s.images:
             return 1
         if self._writer(s) is not None:
             n = min(n, self.pool.window)
+        elif self._prefill_kernels is None:
+            return 1
         while n > 1 and s.chunks_len(n) > self.max_num_batched_tokens:
             n -= 1
         return max(1, n)
 
     def _prefill_blocks(self, grants: list[tuple[SpecSession, int]]) -> None:
-        """Prefill the granted blocks. Kernel path (`_multiblock`): each session's blocks in as few forwards as
+        """Prefill the granted blocks. Multi-block (`_multiblock`): each session's blocks in as few forwards as
         `_blocks_per_row` allows, one row each, several sessions' rows packed into one forward while its padded
         tokens stay within max_num_batched_tokens and every row's slot has room; the prefix cache writes each
-        block as soon as its MTP rows are written (`prefill_rows` after_block), from the window slot its boundary
-        state was kept in. Elsewhere: one block per session per wave (`_prefill`)."""
+        block (and on the C path the prompt's tail) as soon as its MTP rows are written (`prefill_rows`
+        after_block), from the window slot its boundary state was kept in. Elsewhere: one block per session per
+        wave (`_prefill`)."""
         if not self._multiblock():
             for wave in range(max((n for _, n in grants), default=0)):
                 rows = [s for s, n in grants if n > wave and s.prefilling and not s.finished]
-                # C path: a block cut at the prompt's tail shares its forward with the prompt's rest when granted
-                two = {s for s, n in grants if n > wave + 1 and s in rows and self._tail_cut_next(s)}
                 if rows:
-                    self._prefill(rows, two)
+                    self._prefill(rows)
             return
         left = {s: n for s, n in grants if n > 0}
         while True:
@@ -758,22 +764,11 @@ class Scheduler:
         for run in work:
             run()
 
-    def _tail_cut_next(self, s: SpecSession) -> bool:
-        """Whether s's next block stops at its prompt's tail, the prompt's last TAIL_MARGIN tokens after it, and the
-        two may share one row of one forward (`splits_rows`; the tail's state kept in a spare window slot)."""
-        return self._split_tails and not s.images and self._writer(s) is not None \
-            and s.prefill_left - s.next_chunk_len == TAIL_MARGIN
-
-    def _prefill(self, rows: list[SpecSession], two: set[SpecSession] = frozenset()) -> None:
-        """One block of each row's prompt (one wave), in the forwards `_forwards` chooses; rows in `two` carry their
-        prompt's last two blocks (a block cut at the tail, then the rest) in their row, the state at the cut kept in
-        a window slot for the prefix cache. A prompt that fails fails its own request; a failing batched forward
-        fails the sessions of that forward."""
-        for group in self._forwards(rows, two):
-            if any(s in two for s in group):
-                self._prefill_row_blocks(group, [2 if s in two else 1 for s in group])
-            else:
-                self._prefill_group(group)
+    def _prefill(self, rows: list[SpecSession]) -> None:
+        """One block of each row's prompt (one wave), in the forwards `_forwards` chooses. A prompt that fails fails
+        its own request; a failing batched forward fails the sessions of that forward."""
+        for group in self._forwards(rows):
+            self._prefill_group(group)
 
     def step(self) -> StepResult:
         """One round for the running sessions, then prefill blocks under the token budget."""

@@ -228,10 +228,12 @@ def test_the_next_turn_resumes_at_the_prompts_tail(model, k2):
         assert b.telem == ref.telem
 
 
-def test_a_prompts_tail_cut_shares_the_forward_of_the_prompts_rest(model, monkeypatch):
-    """On the C path the block cut at a prompt's tail and the prompt's last TAIL_MARGIN tokens run as one row of one
-    forward (the state at the cut kept in a window slot), not as a forward of their own; a row beside it in the same
-    forward carries one block; both have a cold run's bits, and the tail they leave is exact."""
+def test_a_prompts_blocks_and_tail_cut_share_one_row_of_one_forward(model, monkeypatch):
+    """On the C path, with the prefix cache writing, a session's granted blocks run as one row of one forward: a full
+    block, the block cut at the prompt's tail and the prompt's last TAIL_MARGIN tokens (each inner boundary's state
+    kept in a window slot), beside another prompt's cut and rest; so does a next turn that resumes at the tail and
+    crosses a grid boundary (one forward, not one per block). Every one has a cold run's bits, and the blocks and
+    tails they leave are exact."""
     import engine.scheduler as scheduler_mod
     V = model.config.vocab_size
     forwards: list[list[int]] = []
@@ -242,19 +244,25 @@ def test_a_prompts_tail_cut_shares_the_forward_of_the_prompts_rest(model, monkey
         return real(m, rows, blocks, *a, **kw)
 
     monkeypatch.setattr(scheduler_mod, "prefill_rows", spy)
-    sched = _sched(model, cache_mb=64)
+    sched = _sched(model, budget=1024, cache_mb=64)
     p1, p2 = _prompt(V, G + 40, 91), _prompt(V, 30, 92)
     a, b = (Rows(model, p, 6, k=3, pool=sched.pool) for p in (p1, p2))
     _run(sched, {0: [a, b]})
-    assert forwards == [[1, 2], [2]]  # block 0 of p1 beside p2 (cut and rest), then p1's cut and rest
+    assert forwards == [[3, 2]]  # p1: block 0, the cut and the rest; p2: the cut and the rest
     for s, p in ((a, p1), (b, p2)):
-        _same(s.rows, _alone(model, p, 6).rows, "a prompt whose tail cut shares its forward")
+        _same(s.rows, _alone(model, p, 6).rows, "a prompt whose blocks share one row")
+    turn2 = p1 + _prompt(V, G - 10, 94)  # resumes at p1's tail cut (G + 36) and crosses 2G
+    forwards.clear()
+    c = Rows(model, turn2, 6, k=3, pool=sched.pool)
+    _run(sched, {0: [c]})
+    assert c.cached_tokens == len(p1) - TAIL_MARGIN and forwards == [[3]]
+    _same(c.rows, _alone(model, turn2, 6).rows, "a next turn across a grid boundary in one row")
     monkeypatch.undo()
-    for p in (p1, p2):
+    for p in (p1, p2, turn2):
         hit = Rows(model, p + _prompt(V, 5, 93), 6, k=3, pool=sched.pool)
         _run(sched, {0: [hit]})
         assert hit.cached_tokens == len(p) - TAIL_MARGIN
-        _same(hit.rows, _alone(model, p + _prompt(V, 5, 93), 6).rows, "from a tail kept in a window slot")
+        _same(hit.rows, _alone(model, p + _prompt(V, 5, 93), 6).rows, "from blocks and a tail kept in window slots")
 
 
 def test_a_first_token_leaves_before_its_prompts_mtp_rows_and_block_writes(model, monkeypatch):

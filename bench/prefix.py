@@ -9,7 +9,8 @@ multiturn: N conversations of T turns run at once through `nextn serve` (chat, s
 starting with the same ~2,000-token system prompt (tool definitions) and a user message of its own; each turn sends
 the conversation so far. Run on a server with the prefix cache and on one with `--prefix-cache-gb 0`, both up at once
 (`--repeat N`: N runs on each, interleaved, each opening with other questions, the later turns' TTFT pooled): time to
-first token of turns 2..T (median and mean over the conversations' turns), the workload's wall time (aggregate
+first token of turns 2..T (median and mean over the conversations' turns; with --repeat, also paired: the median of
+each repeat's ratio of medians), the workload's wall time (aggregate
 throughput = completion tokens / wall time), the hit rate (cached / prompt tokens, from the responses' usage and from
 /metrics), and the cache's bytes at the end.
 
@@ -239,6 +240,12 @@ def multiturn(args: argparse.Namespace) -> None:
     a_on, a_off = statistics.mean(later("cache")), statistics.mean(later("no cache"))
     print(f"| TTFT turns 2..{args.turns}, median (s) | {m_on:.3f} | {m_off:.3f} | {m_on / m_off:.3f}x |")
     print(f"| TTFT turns 2..{args.turns}, mean (s) | {a_on:.3f} | {a_off:.3f} | {a_on / a_off:.3f}x |")
+    if args.repeat > 1:  # each repeat's ratio of medians (its two runs seconds apart: a slow spell of the box cancels)
+        paired = statistics.median(
+            statistics.median(t.ttft for conv in w_on.turns for t in conv[1:])
+            / statistics.median(t.ttft for conv in w_off.turns for t in conv[1:])
+            for w_on, w_off in zip(runs["cache"], runs["no cache"]))
+        print(f"| TTFT turns 2..{args.turns}, paired (the median of the repeats' ratios) | | | {paired:.3f}x |")
     t1_on = statistics.median(conv[0].ttft for conv in on.turns)
     t1_off = statistics.median(conv[0].ttft for conv in off.turns)
     print(f"| TTFT turn 1, median (s) | {t1_on:.3f} | {t1_off:.3f} | {t1_on / t1_off:.3f}x |")

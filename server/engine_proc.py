@@ -55,6 +55,10 @@ from server.worker import (
 
 log = logging.getLogger("nextn.engine")
 
+#: the largest command `EngineProcess._send` writes from its caller's thread (a pipe holds 64 KiB: one this size is
+#: taken at once unless the engine has fallen far behind reading), larger ones go through the sender thread
+DIRECT_SEND_BYTES = 16 << 10
+
 #: grammar compiles the engine runs at once (off its command loop, which must keep taking submits and cancels)
 GRAMMAR_THREADS = 2
 
@@ -348,7 +352,10 @@ class EngineProcess(Drainable):
         self._lost: list[Job] | None = None  # the jobs in flight when the engine reported its device lost
         self._lost_reason = ""
         self._outbox = _Outbox()
-        self._outq: queue.SimpleQueue[tuple] = queue.SimpleQueue()  # commands for the sender thread
+        self._outq: queue.SimpleQueue[tuple[tuple, bytes | None]] = queue.SimpleQueue()  # for the sender thread
+        self._wlock = threading.Lock()  # held while a command is written to the pipe
+        self._qlock = threading.Lock()
+        self._queued = 0  # commands handed to the sender thread and not written yet (under _qlock)
         self._proc: Any = None
         self._cmds: Connection | None = None
         self._out: Connection | None = None
@@ -469,22 +476,59 @@ class EngineProcess(Drainable):
             self._send(("cancel", key, job.cancel_reason or "abort"))
 
     def _send(self, msg: tuple) -> None:
-        """Queue a command (never blocks the event loop: a large prompt fills the pipe while the engine is busy)."""
-        self._outq.put(msg)
+        """Send a command, in order with the earlier ones: written at once when nothing waits for the sender thread,
+        the pipe is free and the message is small (no thread hop on a request's way to the engine), else queued for
+        the sender thread (never blocks the event loop on a full pipe: a large prompt fills it while the engine is
+        busy)."""
+        data: bytes | None = None
+        if msg[0] != "shutdown" and self._wlock.acquire(blocking=False):
+            try:
+                if not self._queued:
+                    data = self._pickle(msg)
+                    if data is None:
+                        return
+                    if len(data) <= DIRECT_SEND_BYTES:
+                        self._write_one(msg, data)
+                        return
+            finally:
+                self._wlock.release()
+        with self._qlock:
+            self._queued += 1
+        self._outq.put((msg, data))
+
+    def _pickle(self, msg: tuple) -> bytes | None:
+        """The command's bytes; None when it cannot be pickled (its jobs failed: `_failed_send`)."""
+        try:
+            return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as e:  # noqa: BLE001 - a message that cannot be sent: its jobs fail, the rest goes on
+            self._failed_send(msg, e)
+            return None
+
+    def _write_one(self, msg: tuple, data: bytes) -> None:
+        """Write one command's bytes (the caller holds _wlock)."""
+        assert self._cmds is not None
+        try:
+            self._cmds.send_bytes(data)
+        except (OSError, ValueError):  # a dead child: the reader fails its jobs
+            pass
+        except Exception as e:  # noqa: BLE001 - as `_pickle`
+            self._failed_send(msg, e)
+
+    def _failed_send(self, msg: tuple, err: BaseException) -> None:
+        log.error("could not send %r to the engine process", msg[0], exc_info=err)
+        if msg[0] == "submit":
+            self._fail_jobs([spec.key for spec in msg[1]], err)
 
     def _write(self) -> None:
-        """The sender thread: commands to the engine in order, until shutdown."""
-        assert self._cmds is not None
+        """The sender thread: queued commands to the engine in order, until shutdown."""
         while True:
-            msg = self._outq.get()
-            try:
-                self._cmds.send(msg)
-            except (OSError, ValueError):  # a dead child: the reader fails its jobs
-                pass
-            except Exception as e:  # noqa: BLE001 - a message that cannot be sent: its jobs fail, the rest goes on
-                log.exception("could not send %r to the engine process", msg[0])
-                if msg[0] == "submit":
-                    self._fail_jobs([spec.key for spec in msg[1]], e)
+            msg, data = self._outq.get()
+            data = data if data is not None else self._pickle(msg)
+            with self._wlock:
+                if data is not None:
+                    self._write_one(msg, data)
+                with self._qlock:
+                    self._queued -= 1
             if msg[0] == "shutdown":
                 return
 

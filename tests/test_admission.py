@@ -245,3 +245,32 @@ def test_requests_that_arrive_together_reach_the_engine_together(monkeypatch, en
             "ignore_eos": True}).json() for i in range(n)]
     assert [r["choices"][0]["text"] for r in together] == [r["choices"][0]["text"] for r in alone]
     assert [r["usage"] for r in together] == [r["usage"] for r in alone]
+
+
+def test_engine_commands_keep_their_order_small_ones_written_without_the_sender_thread():
+    """`EngineProcess._send`: a small command with nothing queued is written at once (no thread hop on a request's way
+    to the engine); a large one goes to the sender thread, and every command after it waits behind it, so the engine
+    reads them in the order they were sent (a cancel never overtakes its submit)."""
+    import multiprocessing
+
+    from server.engine_proc import DIRECT_SEND_BYTES
+
+    ep = EngineProcess(None, None, max_queue=1, max_num_seqs=1)  # type: ignore[arg-type] - never started
+    r, w = multiprocessing.Pipe(duplex=False)
+    ep._cmds = w
+    ep._send(("cancel", 1, "abort"))
+    assert r.poll(5) and r.recv() == ("cancel", 1, "abort")  # no sender thread runs yet
+    big = ("submit", ["x" * 2 * DIRECT_SEND_BYTES])
+    ep._send(big)
+    ep._send(("cancel", 2, "abort"))  # small, but behind the queued one
+    assert not r.poll(0.2)
+    threading.Thread(target=ep._write, daemon=True).start()
+    assert r.poll(5) and r.recv() == big
+    assert r.poll(5) and r.recv() == ("cancel", 2, "abort")
+    deadline = time.monotonic() + 5
+    while ep._queued and time.monotonic() < deadline:
+        time.sleep(0.01)
+    ep._send(("cancel", 3, "abort"))
+    assert r.poll(5) and r.recv() == ("cancel", 3, "abort")
+    ep._send(("shutdown",))  # always the sender thread's (it ends there)
+    assert r.poll(5) and r.recv() == ("shutdown",)

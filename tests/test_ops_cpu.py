@@ -184,6 +184,39 @@ def test_prefill_chunk_with_padding_matches_twin_and_is_chunking_invariant(layer
     assert not y.any()
 
 
+def test_a_rows_blocks_in_one_call_equal_one_call_per_block_bitwise(layer_and_cfg):
+    """seg / keep (a prefill row that carries several blocks): one call gives the outputs, the inner boundaries'
+    states (each in its kept window slot) and the final state of one call per block, bit for bit, beside a row of
+    one block and padding; a kept slot that is the read or write slot, or two blocks on one slot, raises."""
+    gdn, cfg, idx = layer_and_cfg
+    P = gdn._w_in.shape[0]
+    proj = torch.randn(2, 9, P, generator=torch.Generator().manual_seed(31))
+    seg, keep = [[4, 3, 2], [6]], [[5, 1], []]
+    ref = _pool(cfg, idx, 9)
+    ys = []
+    for a, b, r, w in ((0, 4, 3, 5), (4, 7, 5, 1), (7, 9, 1, 3)):  # row 0 block by block: read 3 ... write0 3
+        ys.append(cpu.gdn_step(proj[:1, a:b], gdn.conv1d.weight[:, 0, :], ref.conv, ref.rec, [1], [r], [w],
+                               *gdn._decay_consts(), gdn.norm.weight, gdn.norm.eps, gdn.nk, gdn.dk, gdn.nv, gdn.dv,
+                               record=False))
+    y1 = cpu.gdn_step(proj[1:, :6], gdn.conv1d.weight[:, 0, :], ref.conv, ref.rec, [0], [2], [2],
+                      *gdn._decay_consts(), gdn.norm.weight, gdn.norm.eps, gdn.nk, gdn.dk, gdn.nv, gdn.dv, record=False)
+    st = _pool(cfg, idx, 9)
+    y = cpu.gdn_step(proj, gdn.conv1d.weight[:, 0, :], st.conv, st.rec, [1, 0], [3, 2], [3, 2], *gdn._decay_consts(),
+                     gdn.norm.weight, gdn.norm.eps, gdn.nk, gdn.dk, gdn.nv, gdn.dv, record=False, lens=[9, 6],
+                     seg=seg, keep=keep)
+    assert_bitwise(y[:1], torch.cat(ys, dim=1), "row 0's outputs: one call vs one per block")
+    assert_bitwise(y[1:, :6], y1, "row 1's outputs")
+    assert not y[1:, 6:].any(), "padding outputs zeros"
+    for slot, w in ((1, 5), (1, 1), (1, 3), (0, 2)):
+        assert_bitwise(st.rec[slot, w], ref.rec[slot, w], f"state in slot {slot}, window slot {w}")
+        assert_bitwise(st.conv[slot, w], ref.conv[slot, w], f"conv window in slot {slot}, window slot {w}")
+    for bad in ([[5, 3], []], [[5, 5], []], [[5], []]):  # the read/write slot; one slot twice; a boundary unkept
+        with pytest.raises(ValueError):
+            cpu.gdn_step(proj, gdn.conv1d.weight[:, 0, :], st.conv, st.rec, [1, 0], [3, 2], [3, 2],
+                         *gdn._decay_consts(), gdn.norm.weight, gdn.norm.eps, gdn.nk, gdn.dk, gdn.nv, gdn.dv,
+                         record=False, lens=[9, 6], seg=seg, keep=bad)
+
+
 def test_bad_pool_indices_raise_instead_of_writing_past_the_pool(layer_and_cfg):
     gdn, cfg, idx = layer_and_cfg
     st = _pool(cfg, idx, 5)

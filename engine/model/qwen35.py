@@ -547,35 +547,13 @@ class GatedDeltaNet(nn.Module):
         sdt = torch.float64 if self.A_log.dtype == torch.float64 else torch.float32
         return -self.A_log.detach().to(sdt).exp(), self.dt_bias.detach().to(sdt)
 
-    def _cpu_blocks(self, proj: torch.Tensor, ctx: FwdCtx, st: "GdnPool") -> torch.Tensor:
-        """The fused C step of a prefill forward whose rows carry several blocks (`ctx.seg`): the C recurrence runs
-        token by token, so a row's blocks run as consecutive calls, block j reading the state where block j-1 left it,
-        with the bits of one call; each inner boundary's state (recurrent and conv) stays in the window slot
-        `ctx.keep` names for it (each must name one). proj [N, T, P] -> [N, T, nv*dv] (padding rows zero)."""
-        assert ctx.seg is not None and ctx.keep is not None and ctx.slots is not None
-        assert ctx.read is not None and ctx.write0 is not None
-        N, T, _ = proj.shape
-        o = proj.new_zeros(N, T, self.nv * self.dv)  # [N, T, nv*dv]
-        consts = (*self._decay_consts(), self.norm.weight, self.norm.eps, self.nk, self.dk, self.nv, self.dv)
-        for i, (blocks, kept) in enumerate(zip(ctx.seg, ctx.keep)):
-            if any(w < 0 or w in (ctx.read[i], ctx.write0[i]) for w in kept):
-                raise ValueError("the C path keeps every inner block boundary's state in a window slot of its own")
-            at, read = 0, ctx.read[i]
-            for j, n in enumerate(blocks):
-                write = kept[j] if j < len(kept) else ctx.write0[i]
-                o[i:i + 1, at:at + n] = cpu.gdn_step(
-                    proj[i:i + 1, at:at + n], self.conv1d.weight[:, 0, :], st.conv, st.rec, [ctx.slots[i]], [read],
-                    [write], *consts, False)  # [1, n, nv*dv]
-                at, read = at + n, write
-        return o
-
     def forward(self, x: torch.Tensor, ctx: FwdCtx | None, st: "GdnPool | None") -> torch.Tensor:
         """x: [N, T, H] -> [N, T, H]. Without `ctx`: zero initial state, chunked form. With `ctx`: conv and
         recurrent state read from window slot read_i of row i's pool slot; recording forwards run the recurrent
         step per token and write every per-position state, others write the final state (see `FwdCtx`). On a CPU,
         for fp32 and when ops/cpu.py's C kernel is built, step forwards and prefill blocks (`ctx.cpu_kernels`;
-        padding rows through `lens`) run as that one fused call from the input projection to the gated norm, token
-        by token. A host prefill forward whose tensors the kernels take (`ctx.prefill_kernels`) keeps the conv
+        padding rows through `lens`, a row's several blocks through `seg` / `keep`) run as that one fused call from the
+        input projection to the gated norm, token by token. A host prefill forward whose tensors the kernels take (`ctx.prefill_kernels`) keeps the conv
         below and runs the recurrence as the chunked GDN kernel on the prefill grid (`_prefill_kernel`)."""
         N, T, _ = x.shape
         dt = x.dtype
@@ -586,11 +564,10 @@ class GatedDeltaNet(nn.Module):
             if not grid and ctx is not None and st is not None and ctx.cpu_kernels \
                     and cpu.usable(proj, self.kc):  # fused C
                 assert ctx.slots is not None and ctx.read is not None and ctx.write0 is not None
-                if ctx.seg is not None:
-                    return linear(self._cpu_blocks(proj, ctx, st), self.out_proj.weight, ctx)
+                # (ctx.seg: a row's blocks one after the other, each inner boundary's state in its ctx.keep slot)
                 o = cpu.gdn_step(proj, self.conv1d.weight[:, 0, :], st.conv, st.rec, ctx.slots, ctx.read,
                                  ctx.write0, *self._decay_consts(), self.norm.weight, self.norm.eps, self.nk,
-                                 self.dk, self.nv, self.dv, ctx.record, ctx.lens)  # [N, T, nv*dv]
+                                 self.dk, self.nv, self.dv, ctx.record, ctx.lens, ctx.seg, ctx.keep)  # [N, T, nv*dv]
                 return linear(o, self.out_proj.weight, ctx)
             qkv, z, b, a = proj.split(self._split, dim=-1)
         if ctx is not None and ctx.seg is not None and not grid:

@@ -44,6 +44,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import itertools
 import logging
 import os
 import platform
@@ -169,7 +170,7 @@ def _build(portable: bool | None = None) -> ctypes.CDLL | None:
     fn = lib.nextn_gdn_step_f32
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [i64, i64, ptr, i64, ptr, ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr,
-                   ctypes.c_float, ctypes.c_float, i64, i64, i64, i64, i64, i64, i64, ptr, ptr]
+                   ctypes.c_float, ctypes.c_float, i64, i64, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64, ptr]
     fn.restype = ctypes.c_int
     fn = lib.nextn_attn_step_f32
     fn.argtypes = [i64, i64, ptr, i64, ptr, ptr, ctypes.c_float, ptr, ptr, i64, i64, ptr, ptr, i64, ptr, ptr, i64,
@@ -347,11 +348,15 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
 def gdn_step(proj: torch.Tensor, conv_w: torch.Tensor, conv: torch.Tensor, rec: torch.Tensor, slots: list[int],
              read: list[int], write0: list[int], neg_a: torch.Tensor, dt_bias: torch.Tensor, norm_w: torch.Tensor,
              norm_eps: float, nk: int, dk: int, nv: int, dv: int, record: bool = True,
-             lens: list[int] | None = None) -> torch.Tensor:
+             lens: list[int] | None = None, seg: list[list[int]] | None = None,
+             keep: list[list[int]] | None = None) -> torch.Tensor:
     """The GDN token step of N rows x T tokens (see the module docstring), from the fused input projection's
     output to the gated RMSNorm's output. record: the state after token t goes to window slot write0[i] + t;
     otherwise every token updates window slot write0[i] (a prefill chunk), and `lens` (each row's real tokens,
-    <= T; None: T) marks the right padding, which leaves the state alone and outputs zeros.
+    <= T; None: T) marks the right padding, which leaves the state alone and outputs zeros. seg, keep (not
+    recording; `FwdCtx.seg` / `keep`): row i carries the blocks seg[i] (their lengths add up to its real tokens),
+    block j < last updating window slot keep[i][j] (a slot of its own, neither read[i] nor write0[i]) and the last
+    write0[i]: one call with the bits of one call per block, each inner boundary's state left in its slot.
 
     proj [N, T, P] fp32 (qkv | z | b | a, last dim contiguous); conv_w [C, Kc]; conv [S, W, C, Kc-1] and
     rec [S, W, nv, dk, dv] fp32 pools (each slot contiguous); neg_a = -exp(A_log), dt_bias, [nv]; norm_w [dv].
@@ -373,6 +378,23 @@ def gdn_step(proj: torch.Tensor, conv_w: torch.Tensor, conv: torch.Tensor, rec: 
         raise ValueError("gdn_step: one distinct pool slot, read and write slot per row")
     if lens is not None and not (len(lens) == N and all(0 <= n <= T for n in lens)):
         raise ValueError("gdn_step: lens must give each row's real tokens, 0..T")
+    bend = bslot = None
+    B = 0
+    if seg is not None:
+        if record or keep is None or not len(seg) == len(keep) == N:
+            raise ValueError("gdn_step: seg and keep name every row's blocks of a forward that does not record")
+        B = max(len(k) for k in keep)
+        ends, slots_at = [], []
+        for i, (blocks, kept) in enumerate(zip(seg, keep)):
+            real = T if lens is None else lens[i]
+            if len(kept) != len(blocks) - 1 or sum(blocks) != real or any(n < 1 for n in blocks):
+                raise ValueError("gdn_step: a row's blocks must cover its real tokens, one kept slot between two")
+            if any(not 0 <= w < W or w in (read[i], write0[i]) for w in kept) or len(set(kept)) < len(kept):
+                raise ValueError("gdn_step: each inner block boundary's state needs a window slot of its own")
+            at = list(itertools.accumulate(blocks))[:-1]
+            ends += at + [-1] * (B - len(at))
+            slots_at += list(kept) + [-1] * (B - len(kept))
+        bend, bslot = _i64s(ends), _i64s(slots_at)
     span = T if record else 1  # window slots written from write0
     for s_, r_, w_ in zip(slots, read, write0):
         if not (0 <= s_ < S and 0 <= r_ < W and 0 <= w_ and w_ + span <= W):
@@ -384,7 +406,7 @@ def gdn_step(proj: torch.Tensor, conv_w: torch.Tensor, conv: torch.Tensor, rec: 
                                 conv.stride(0), conv.stride(1), rec.data_ptr(), rec.stride(0), rec.stride(1),
                                 _i64s(slots), _i64s(read), _i64s(write0), neg_a.data_ptr(), dt_bias.data_ptr(),
                                 norm_w.data_ptr(), norm_eps, qscale, C, kc, nk, dk, nv, dv, int(record),
-                                None if lens is None else _i64s(lens), out.data_ptr())
+                                None if lens is None else _i64s(lens), bend, bslot, B, out.data_ptr())
     if rc:
         raise RuntimeError(f"CPU GDN kernel failed (code {rc})")
     return out

@@ -14,7 +14,11 @@
  * written to window slot write0[i] + t, else every token updates window slot write0[i] in place (a prefill chunk:
  * only the final state is kept); either may be slot read[i]: every state element is read before it is written.
  * lens (NULL: T for every row) names each row's real tokens: tokens t >= lens[i] are right padding, they leave the
- * state alone and their outputs are zeros.
+ * state alone and their outputs are zeros. B > 0 (not recording: a prefill row that carries several blocks of one
+ * prompt): bend[i * B + j] is where row i's inner block j ends (offsets in the row, ascending; -1 past the last) and
+ * bslot[i * B + j] the window slot that block's tokens update in place, so its end state stays there; the row's last
+ * block updates write0[i], and a block's first token reads the slot the previous block left. Each token runs the
+ * same code whichever slot it reads and writes, so the row has the bits of one call per block.
  *
  * silu is x / (1 + e^-x) with cpu_vec.h's exp; the state's columns run eight at a time, G groups of eight side by
  * side (each column still summed over the key dimension in order, so the grouping changes no bit). Every
@@ -84,8 +88,20 @@ typedef struct {
     int64_t N, T, proj_row, conv_slot, conv_win, rec_slot, rec_win, C, Kc, nk, dk, nv, dv, record;
     const float *proj, *convw, *neg_a, *dt_bias, *norm_w;
     float *conv, *rec, *out, norm_eps, qscale;
-    const int64_t *slots, *read, *write0, *lens;
+    const int64_t *slots, *read, *write0, *lens, *bend, *bslot;
+    int64_t B;
 } gdn_job_;
+
+/* the window slot token t of row i updates in place (a forward that does not record): its block's (bend / bslot),
+ * write0[i] for the row's last block */
+static inline int64_t wslot_(const gdn_job_ *J, int64_t i, int64_t t) {
+    for (int64_t j = 0; j < J->B; j++) {
+        const int64_t e = J->bend[i * J->B + j];
+        if (e < 0) break;
+        if (t < e) return J->bslot[i * J->B + j];
+    }
+    return J->write0[i];
+}
 
 /* row i's T tokens, in order */
 static void gdn_row_(void *arg, int64_t i) {
@@ -110,8 +126,8 @@ static void gdn_row_(void *arg, int64_t i) {
     }
     for (int64_t t = 0; t < len; t++) {
         const float *xp = proj + (i * T + t) * proj_row;
-        const int64_t dst_w = J->record ? write0[i] + t : write0[i];
-        const int64_t src_w = t == 0 ? read[i] : J->record ? dst_w - 1 : dst_w;
+        const int64_t dst_w = J->record ? write0[i] + t : wslot_(J, i, t);
+        const int64_t src_w = t == 0 ? read[i] : J->record ? dst_w - 1 : wslot_(J, i, t - 1);
         const float *cs = conv + slots[i] * conv_slot + src_w * conv_win;
         float *cd = conv + slots[i] * conv_slot + dst_w * conv_win;
         if (Kc == 4) {  /* every Qwen3.5 config: the same products and sums as below, unrolled */
@@ -186,10 +202,11 @@ int nextn_gdn_step_f32(int64_t N, int64_t T, const float *proj, int64_t proj_row
                        int64_t rec_win, const int64_t *slots, const int64_t *read, const int64_t *write0,
                        const float *neg_a, const float *dt_bias, const float *norm_w, float norm_eps, float qscale,
                        int64_t C, int64_t Kc, int64_t nk, int64_t dk, int64_t nv, int64_t dv, int64_t record,
-                       const int64_t *lens, float *out) {
-    if (Kc < 2 || Kc > MAX_KC || nk < 1 || nv % nk != 0) return 1;
+                       const int64_t *lens, const int64_t *bend, const int64_t *bslot, int64_t B, float *out) {
+    if (Kc < 2 || Kc > MAX_KC || nk < 1 || nv % nk != 0 || B < 0 || (B > 0 && (record || !bend || !bslot))) return 1;
     gdn_job_ j = {N, T, proj_row, conv_slot, conv_win, rec_slot, rec_win, C, Kc, nk, dk, nv, dv, record != 0, proj,
-                  convw, neg_a, dt_bias, norm_w, conv, rec, out, norm_eps, qscale, slots, read, write0, lens};
+                  convw, neg_a, dt_bias, norm_w, conv, rec, out, norm_eps, qscale, slots, read, write0, lens, bend,
+                  bslot, B};
     /* rows are independent; the work estimate counts the recurrence's serial latency (a token step costs about
      * what 8x its multiply-adds cost in a GEMM) */
     nextn_par_(gdn_row_, &j, N, N * T * (nv * dk * dv * 3 + C * Kc) * 8);

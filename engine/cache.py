@@ -489,27 +489,53 @@ class PrefixCache:
         window slot `window_slot`, and (mtp_slot not None) the MTP head's K/V rows 0..nG-2 into that MTP slot;
         `first` > 0: the slot holds blocks 0..first-1 already (their rows are not copied again). tail: (id, t) from
         `lookup_tail`: then block n's first t rows too, and the state at nG + t. Returns the pre-norm hidden of the
-        last position restored [H]."""
+        last position restored [H]. The full blocks' rows go in one gather per tensor (`_gather`)."""
         G, pool = PREFILL_GRID, self.pool
         blocks = [(b, bid, G) for b, bid in enumerate(ids)] + ([(len(ids), tail[0], tail[1])] if tail else [])
-        for b, bid, t in blocks:
-            if b < first and t == G:
-                continue
-            parts = self._parts(bid)
+        full = [bid for b, bid, t in blocks if t == G and b >= first]  # blocks first.. of the chain, in order
+        b0, n = first, len(full)
+        if full:
             i = 0
             for c in pool.layers:
                 if isinstance(c, KVPool):
-                    c.k[slot, b * G:b * G + t] = parts[i][:t]
-                    c.v[slot, b * G:b * G + t] = parts[i + 1][:t]
-                elif b == blocks[-1][0]:
+                    for dst, part in ((c.k, i), (c.v, i + 1)):
+                        self._gather(full, part, dst[slot, b0 * G:(b0 + n) * G].view(n, G, *dst.shape[2:]))
+                i += 2
+            if mtp_slot is not None:
+                for dst, part in ((pool.mtp.k, i), (pool.mtp.v, i + 1)):
+                    if b0 == 0:  # block 0's MTP rows start at its second position
+                        dst[mtp_slot, :n * G - 1] = self._gather(full, part).flatten(0, 1)[1:]
+                    else:
+                        self._gather(full, part, dst[mtp_slot, b0 * G - 1:(b0 + n) * G - 1].view(n, G, *dst.shape[2:]))
+        b, bid, t = blocks[-1]
+        parts = self._parts(bid)
+        if b >= first or t < G:  # the last block: a tail's rows, and the GDN state where the chain ends
+            i = 0
+            for c in pool.layers:
+                if isinstance(c, KVPool):
+                    if t < G:
+                        c.k[slot, b * G:b * G + t] = parts[i][:t]
+                        c.v[slot, b * G:b * G + t] = parts[i + 1][:t]
+                else:
                     c.conv[slot, window_slot] = parts[i]
                     c.rec[slot, window_slot] = parts[i + 1]
                 i += 2
-            if mtp_slot is not None:
+            if mtp_slot is not None and t < G:
                 j = 1 if b == 0 else 0
                 pool.mtp.k[mtp_slot, b * G - 1 + j:b * G + t - 1] = parts[i][j:t]
                 pool.mtp.v[mtp_slot, b * G - 1 + j:b * G + t - 1] = parts[i + 1][j:t]
-        return self._parts(blocks[-1][1])[-1].clone()  # [H]
+        return parts[-1].clone()  # [H]
+
+    def _gather(self, bids: list[int], part: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Tensor `part` of blocks `bids`, stacked in order [len(bids), ...], into `out` when given (contiguous): one
+        index_select when they share a slab, else one stack."""
+        rows = [divmod(bid, self.SLAB) for bid in bids]
+        if all(s == rows[0][0] for s, _ in rows):
+            src = self._slabs[rows[0][0]][part]
+            idx = torch.tensor([r for _, r in rows], device=src.device)
+            return torch.index_select(src, 0, idx) if out is None else torch.index_select(src, 0, idx, out=out)
+        views = [self._slabs[s][part][r] for s, r in rows]
+        return torch.stack(views) if out is None else torch.stack(views, out=out)
 
     def reserve(self) -> int | None:
         """A block id held outside the index (a block whose GDN state is captured before the rest is ready:

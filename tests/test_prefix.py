@@ -551,26 +551,38 @@ def test_block_keys_chain_and_tokens_are_checked():
         pc.insert(keys, toks, 2, 0, 0)
 
 
-def test_restore_copies_what_insert_kept():
+@pytest.mark.parametrize("slab", [16, 1], ids=["one-slab", "a-slab-a-block"])
+def test_restore_copies_what_insert_kept(slab, monkeypatch):
+    """A chain's blocks come back as they were written, gathered from one slab or from several; with `first` the
+    rows the slot holds already are left alone."""
+    monkeypatch.setattr(PrefixCache, "SLAB", slab)
     pool = _tiny_pool()
     pc = PrefixCache(pool, 64 * MB, "m")
-    toks = list(range(2 * G + 3))
-    keys = block_keys(toks, 2, pc.root)
+    toks = list(range(3 * G + 3))
+    keys = block_keys(toks, 3, pc.root)
     for t in [*(x for c in pool.layers for x in ((c.k, c.v) if isinstance(c, KVPool) else (c.conv, c.rec))),
               pool.mtp.k, pool.mtp.v]:
         t.normal_()
-    pres = [torch.randn(pool.cfg.hidden_size) for _ in range(2)]
-    for b in range(2):
+    pres = [torch.randn(pool.cfg.hidden_size) for _ in range(3)]
+    for b in range(3):
         pc.insert(keys, toks, b, 0, 0, window_slot=1, pre_last=pres[b])  # (the live state changes in between)
     ids = pc.lookup(toks, keys)
+    assert len(ids) == 3
+    kv = [x for c in pool.layers if isinstance(c, KVPool) for x in (c.k, c.v)] + [pool.mtp.k, pool.mtp.v]
+    held = [t[1, :G].clone() for t in kv]  # what slot 1 holds before: `first` = 1 keeps it
+    carrier = pc.restore(ids, 1, 2, 1, first=1)
+    assert torch.equal(carrier, pres[2])
+    for t, h in zip(kv, held):
+        assert torch.equal(t[1, :G - 1], h[:G - 1]), "first = 1: block 0's rows are not copied"
     carrier = pc.restore(ids, 1, 2, 1)
-    assert torch.equal(carrier, pres[1])
+    assert torch.equal(carrier, pres[2])
     for c in pool.layers:
         if isinstance(c, KVPool):
-            assert torch.equal(c.k[1, :2 * G], c.k[0, :2 * G]) and torch.equal(c.v[1, :2 * G], c.v[0, :2 * G])
+            assert torch.equal(c.k[1, :3 * G], c.k[0, :3 * G]) and torch.equal(c.v[1, :3 * G], c.v[0, :3 * G])
         else:
             assert torch.equal(c.rec[1, 2], c.rec[0, 1]) and torch.equal(c.conv[1, 2], c.conv[0, 1])
-    assert torch.equal(pool.mtp.k[1, :2 * G - 1], pool.mtp.k[0, :2 * G - 1])
+    assert torch.equal(pool.mtp.k[1, :3 * G - 1], pool.mtp.k[0, :3 * G - 1])
+    assert torch.equal(pool.mtp.v[1, :3 * G - 1], pool.mtp.v[0, :3 * G - 1])
 
 
 def test_eviction_takes_the_oldest_leaf_first():

@@ -6,12 +6,13 @@ the prefix cache.
 sessions, up to `max_num_batched_tokens` tokens per step in all (the round's N x (k+1) tokens count first), so a
 long prompt never freezes the running streams for longer than one block. A prompt's blocks are those of the fixed
 grid (`engine.cache.PREFILL_GRID`, `engine.prefill`): the budget decides how many blocks a session gets in a step,
-never where a block splits (a step with a joining prompt runs at least one block). On the kernel path, and on the C
-path while the prefix cache writes a session's blocks, a session's granted blocks run as one row of one forward
-(`_prefill_blocks`; at most K+1 while the prefix cache writes), rows of several sessions packed together; elsewhere
-the blocks of a step run in waves (the first block of every session granted one, then the second, ...), each wave one
-forward when the model's prefill is row-wise (`engine.prefill.packs_rows`), else one forward per session. A session joins (`add`) once it
-holds a pool slot and leaves between steps; its slot is returned the moment it finishes, fails or is removed.
+never where a block splits (a step with a joining prompt runs at least one block). On the kernel path, and on the C path
+while the prefix cache writes a session's blocks, a session's granted blocks run as one row of one forward
+(`_prefill_blocks`; at most K+1 while the prefix cache writes), rows of several sessions packed together; elsewhere the
+blocks of a step run in waves (the first block of every session granted one, then the second, ...), each wave one
+forward when the model's prefill is row-wise (`engine.prefill.packs_rows`), else one forward per session. A session
+joins (`add`) once it holds a pool slot and leaves between steps; its slot is returned the moment it finishes, fails or
+is removed.
 
 The prefix cache (`engine.cache.PrefixCache`, on when `prefix_cache_bytes` > 0): a joining session resumes from the
 longest cached run of its prompt's grid blocks (copied into its slot; sessions that want prompt logprobs prefill

@@ -11,7 +11,8 @@ parent on the served `ServingMetrics`. Grammar-constrained jobs travel as their 
 compiles them again with its own compiler (cached) and builds the constraint there.
 
 The parent (`EngineProcess`) has `Worker`'s interface for the serving layer: `submit` sends job specs, a
-`Job.cancel` sends a cancel (both queued to a sender thread, so the event loop never blocks on a full pipe),
+`Job.cancel` sends a cancel (written at once when small and nothing is queued, else queued to a sender thread, in
+order, so the event loop never blocks on a full pipe),
 a reader thread turns the child's messages into each job's events on its event
 loop (the same `_Outbox` hand-off). If the child exits (a crash, the OOM killer), every job it held gets an
 error `done` event, /health turns 503 and `submit` refuses: no client waits on a dead engine. If the child's

@@ -550,11 +550,12 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, ctx: FwdCtx | None, st: "GdnPool | None") -> torch.Tensor:
         """x: [N, T, H] -> [N, T, H]. Without `ctx`: zero initial state, chunked form. With `ctx`: conv and
         recurrent state read from window slot read_i of row i's pool slot; recording forwards run the recurrent
-        step per token and write every per-position state, others write the final state (see `FwdCtx`). On a CPU,
-        for fp32 and when ops/cpu.py's C kernel is built, step forwards and prefill blocks (`ctx.cpu_kernels`;
-        padding rows through `lens`, a row's several blocks through `seg` / `keep`) run as that one fused call from the
-        input projection to the gated norm, token by token. A host prefill forward whose tensors the kernels take (`ctx.prefill_kernels`) keeps the conv
-        below and runs the recurrence as the chunked GDN kernel on the prefill grid (`_prefill_kernel`)."""
+        step per token and write every per-position state, others write the final state (see `FwdCtx`). On a CPU, for
+        fp32 and when ops/cpu.py's C kernel is built, step forwards and prefill blocks (`ctx.cpu_kernels`; padding rows
+        through `lens`, a row's several blocks through `seg` / `keep`) run as that one fused call from the input
+        projection to the gated norm, token by token. A host prefill forward whose tensors the kernels take
+        (`ctx.prefill_kernels`) keeps the conv below and runs the recurrence as the chunked GDN kernel on the prefill
+        grid (`_prefill_kernel`)."""
         N, T, _ = x.shape
         dt = x.dtype
         sdt = torch.float64 if dt == torch.float64 else torch.float32

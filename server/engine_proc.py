@@ -60,6 +60,17 @@ log = logging.getLogger("nextn.engine")
 #: taken at once unless the engine has fallen far behind reading), larger ones go through the sender thread
 DIRECT_SEND_BYTES = 16 << 10
 
+
+def _maybe_small(msg: tuple) -> bool:
+    """Whether a command may fit DIRECT_SEND_BYTES, judged without pickling it (a long prompt or a picture is
+    pickled by the sender thread, off the event loop); "shutdown" always goes through the sender thread (it ends
+    there)."""
+    if msg[0] == "submit":  # a token id pickles to at most 5 bytes
+        return all(not spec.images for spec in msg[1]) and \
+            sum(len(spec.prompt_ids) for spec in msg[1]) <= DIRECT_SEND_BYTES // 5
+    return msg[0] != "shutdown"
+
+
 #: grammar compiles the engine runs at once (off its command loop, which must keep taking submits and cancels)
 GRAMMAR_THREADS = 2
 
@@ -482,7 +493,7 @@ class EngineProcess(Drainable):
         the sender thread (never blocks the event loop on a full pipe: a large prompt fills it while the engine is
         busy)."""
         data: bytes | None = None
-        if msg[0] != "shutdown" and self._wlock.acquire(blocking=False):
+        if _maybe_small(msg) and self._wlock.acquire(blocking=False):
             try:
                 if not self._queued:
                     data = self._pickle(msg)

@@ -253,14 +253,16 @@ def test_engine_commands_keep_their_order_small_ones_written_without_the_sender_
     reads them in the order they were sent (a cancel never overtakes its submit)."""
     import multiprocessing
 
-    from server.engine_proc import DIRECT_SEND_BYTES
+    import types
+
+    from server.engine_proc import DIRECT_SEND_BYTES, _maybe_small
 
     ep = EngineProcess(None, None, max_queue=1, max_num_seqs=1)  # type: ignore[arg-type] - never started
     r, w = multiprocessing.Pipe(duplex=False)
     ep._cmds = w
     ep._send(("cancel", 1, "abort"))
     assert r.poll(5) and r.recv() == ("cancel", 1, "abort")  # no sender thread runs yet
-    big = ("submit", ["x" * 2 * DIRECT_SEND_BYTES])
+    big = ("cancel", 9, "x" * 2 * DIRECT_SEND_BYTES)  # pickled, then too large to write at once
     ep._send(big)
     ep._send(("cancel", 2, "abort"))  # small, but behind the queued one
     assert not r.poll(0.2)
@@ -274,3 +276,8 @@ def test_engine_commands_keep_their_order_small_ones_written_without_the_sender_
     assert r.poll(5) and r.recv() == ("cancel", 3, "abort")
     ep._send(("shutdown",))  # always the sender thread's (it ends there)
     assert r.poll(5) and r.recv() == ("shutdown",)
+    # a long prompt or a picture is left to the sender thread unpickled
+    spec = types.SimpleNamespace
+    assert _maybe_small(("submit", [spec(images=(), prompt_ids=[7] * 1000)] * 3))
+    assert not _maybe_small(("submit", [spec(images=(), prompt_ids=[7] * 4000)]))
+    assert not _maybe_small(("submit", [spec(images=(object(),), prompt_ids=[7])]))

@@ -124,10 +124,10 @@ static void gdn_row_(void *arg, int64_t i) {
         memcpy(conv + slots[i] * conv_slot + write0[i] * conv_win, conv + slots[i] * conv_slot + read[i] * conv_win,
                sizeof(float) * (size_t)(C * (Kc - 1)));
     }
-    for (int64_t t = 0; t < len; t++) {
+    for (int64_t t = 0, dst_w = read[i]; t < len; t++) {
         const float *xp = proj + (i * T + t) * proj_row;
-        const int64_t dst_w = J->record ? write0[i] + t : wslot_(J, i, t);
-        const int64_t src_w = t == 0 ? read[i] : J->record ? dst_w - 1 : wslot_(J, i, t - 1);
+        const int64_t src_w = dst_w;  /* token t reads what token t-1 wrote (token 0: read[i]) */
+        dst_w = J->record ? write0[i] + t : wslot_(J, i, t);
         const float *cs = conv + slots[i] * conv_slot + src_w * conv_win;
         float *cd = conv + slots[i] * conv_slot + dst_w * conv_win;
         if (Kc == 4) {  /* every Qwen3.5 config: the same products and sums as below, unrolled */

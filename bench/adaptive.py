@@ -1,7 +1,8 @@
 """The speculation length controller against fixed K, through `nextn serve`: aggregate streaming tokens/s of 1 and
 8 greedy clients on servers at their defaults (the controller on) and with --no-spec-adaptive at fixed K in
---ks, interleaved round by round in one run (the box's load hits every server alike), as ratios: of the medians,
-and paired (the median of each repeat's ratio, the servers a few seconds apart: a slow spell of the box cancels).
+--ks, interleaved round by round in one run (the box's load hits every server alike; the servers' order rotates every
+repeat, so none is always first), as ratios: of the medians, and paired (the median of each repeat's ratio, the
+servers a few seconds apart: a slow spell of the box cancels) with its 90% confidence interval.
 
 Workloads: `zero-demo` and `zero-0.8b`: random weights (zero acceptance) at the demo shape and at the Qwen3.5-0.8B
 shape (built once under ~/.cache/nextn/bench); `demo`: the demo model (models/demo) on chat prompts (high
@@ -10,6 +11,8 @@ badly). Targets (issue 41): zero >= 0.97x plain (K = 0), demo >= 0.97x the best 
 the best fixed K.
 
     python bench/adaptive.py --tokens 64 --repeat 3
+    python bench/adaptive.py --workloads demo --ks 3 --repeat 150   # against one K (no K=0: no ratio to plain),
+                                                                     # many pairs: a narrow interval
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from runtime import DEFAULT_BENCH_PROMPTS, DEMO, Server, Tokenizer, _clients_once  # noqa: E402
+from runtime import DEFAULT_BENCH_PROMPTS, DEMO, Server, Tokenizer, _clients_once, median_ci  # noqa: E402
 
 from bench.prefix import CACHE, qwen08b_checkpoint  # noqa: E402
 
@@ -88,19 +91,24 @@ def main() -> int:
                     _clients_once(s.url, models[n], ps, tokens)
                 runs: dict[str, list[float]] = {n: [] for n in servers}
                 t0 = time.monotonic()
-                for _ in range(args.repeat):
-                    for n, s in servers.items():
-                        runs[n].append(_clients_once(s.url, models[n], ps, tokens))
+                names = list(servers)
+                for i in range(args.repeat):
+                    for n in names[i % len(names):] + names[:i % len(names)]:  # rotated: each server leads in turn
+                        runs[n].append(_clients_once(servers[n].url, models[n], ps, tokens))
                 med = {n: statistics.median(v) for n, v in runs.items()}
                 fixed = {n: v for n, v in med.items() if n.startswith("K=")}
                 best = max(fixed, key=fixed.get)
                 a = med["adaptive"]
 
-                def paired(other: str) -> float:  # the median of the repeats' ratios: servers side by side in time
-                    return statistics.median(x / y for x, y in zip(runs["adaptive"], runs[other]))
+                def paired(other: str) -> str:  # the median of the repeats' ratios (servers side by side in time), CI
+                    rs = [x / y for x, y in zip(runs["adaptive"], runs[other])]
+                    lo, hi = median_ci(rs)
+                    return f"{statistics.median(rs):.2f}x, 90% CI {lo:.2f}-{hi:.2f}"
+
                 print(f"| {name} | {c} | {a:.1f} | " + " | ".join(f"{n} {v:.1f}" for n, v in fixed.items())
-                      + f" | {a / med['K=0']:.2f}x plain (paired {paired('K=0'):.2f}x) | {a / fixed[best]:.2f}x best "
-                      f"({best}; paired {paired(best):.2f}x) | {time.monotonic() - t0:.0f} s |", flush=True)
+                      + (f" | {a / med['K=0']:.2f}x plain (paired {paired('K=0')})" if "K=0" in med else " | -")
+                      + f" | {a / fixed[best]:.2f}x best "
+                      f"({best}; paired {paired(best)}) | {time.monotonic() - t0:.0f} s |", flush=True)
         finally:
             for s in servers.values():
                 s.close()

@@ -2,7 +2,9 @@
 8 greedy clients on servers at their defaults (the controller on) and with --no-spec-adaptive at fixed K in
 --ks, interleaved round by round in one run (the box's load hits every server alike; the servers' order rotates every
 repeat, so none is always first), as ratios: of the medians, and paired (the median of each repeat's ratio, the
-servers a few seconds apart: a slow spell of the box cancels) with its 90% confidence interval.
+servers a few seconds apart: a slow spell of the box cancels) with its 90% confidence interval. Two identical servers
+on the 2-vCPU box differ by up to ~5% (where each one's memory landed): `--instances N` splits the repeats into N
+blocks, each on freshly started servers, so that bias averages out too.
 
 Workloads: `zero-demo` and `zero-0.8b`: random weights (zero acceptance) at the demo shape and at the Qwen3.5-0.8B
 shape (built once under ~/.cache/nextn/bench); `demo`: the demo model (models/demo) on chat prompts (high
@@ -13,6 +15,8 @@ the best fixed K.
     python bench/adaptive.py --tokens 64 --repeat 3
     python bench/adaptive.py --workloads demo --ks 3 --repeat 150   # against one K (no K=0: no ratio to plain),
                                                                      # many pairs: a narrow interval
+    python bench/adaptive.py --workloads mixed --clients 8 --requests 4   # each client 4 requests back to back: a
+                                                                          # batch kept full, not one batch's tail
 """
 from __future__ import annotations
 
@@ -70,6 +74,9 @@ def main() -> int:
     ap.add_argument("--workloads", default="zero-demo,zero-0.8b,demo,mixed")
     ap.add_argument("--clients", default="1,8")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--requests", type=int, default=1, help="requests each client sends back to back in a repeat")
+    ap.add_argument("--instances", type=int, default=1,
+                    help="blocks of repeats, each on freshly started servers (two identical servers can differ by ~5%%)")
     args = ap.parse_args()
     ks = [int(k) for k in args.ks.split(",")]
     kmax = max(3, max(ks))
@@ -80,38 +87,38 @@ def main() -> int:
         mk, kind, vocab = work[name]
         ckpt = mk()
         tokens = args.tokens if name != "zero-0.8b" else max(8, args.tokens // 4)
-        servers = {"adaptive": Server(ckpt, k=kmax, device=args.device, extra=extra)}
-        for k in ks:
-            servers[f"K={k}"] = Server(ckpt, k=k, device=args.device, extra=[*extra, "--no-spec-adaptive"])
-        try:
-            models = {n: s.model_id() for n, s in servers.items()}
-            for c in (int(x) for x in args.clients.split(",")):
-                ps = prompts(kind, c, vocab)
-                for n, s in servers.items():  # warm-up: the controller learns, the caches settle
-                    _clients_once(s.url, models[n], ps, tokens)
-                runs: dict[str, list[float]] = {n: [] for n in servers}
-                t0 = time.monotonic()
-                names = list(servers)
-                for i in range(args.repeat):
-                    for n in names[i % len(names):] + names[:i % len(names)]:  # rotated: each server leads in turn
-                        runs[n].append(_clients_once(servers[n].url, models[n], ps, tokens))
-                med = {n: statistics.median(v) for n, v in runs.items()}
-                fixed = {n: v for n, v in med.items() if n.startswith("K=")}
-                best = max(fixed, key=fixed.get)
-                a = med["adaptive"]
+        cfgs = {"adaptive": (kmax, extra), **{f"K={k}": (k, [*extra, "--no-spec-adaptive"]) for k in ks}}
+        names = list(cfgs)
+        for c in (int(x) for x in args.clients.split(",")):
+            ps = prompts(kind, c, vocab)
+            runs: dict[str, list[float]] = {n: [] for n in names}
+            t0 = time.monotonic()
+            for b in range(args.instances):  # fresh servers for each block of repeats
+                servers = {n: Server(ckpt, k=k, device=args.device, extra=x) for n, (k, x) in cfgs.items()}
+                try:
+                    models = {n: s.model_id() for n, s in servers.items()}
+                    for n, s in servers.items():  # warm-up: the controller learns, the caches settle
+                        _clients_once(s.url, models[n], ps, tokens)
+                    for i in range(b * args.repeat // args.instances, (b + 1) * args.repeat // args.instances):
+                        for n in names[i % len(names):] + names[:i % len(names)]:  # rotated: each leads in turn
+                            runs[n].append(_clients_once(servers[n].url, models[n], ps, tokens, args.requests))
+                finally:
+                    for s in servers.values():
+                        s.close()
+            med = {n: statistics.median(v) for n, v in runs.items()}
+            fixed = {n: v for n, v in med.items() if n.startswith("K=")}
+            best = max(fixed, key=fixed.get)
+            a = med["adaptive"]
 
-                def paired(other: str) -> str:  # the median of the repeats' ratios (servers side by side in time), CI
-                    rs = [x / y for x, y in zip(runs["adaptive"], runs[other])]
-                    lo, hi = median_ci(rs)
-                    return f"{statistics.median(rs):.2f}x, 90% CI {lo:.2f}-{hi:.2f}"
+            def paired(other: str) -> str:  # the median of the repeats' ratios (servers side by side in time), CI
+                rs = [x / y for x, y in zip(runs["adaptive"], runs[other])]
+                lo, hi = median_ci(rs)
+                return f"{statistics.median(rs):.2f}x, 90% CI {lo:.2f}-{hi:.2f}"
 
-                print(f"| {name} | {c} | {a:.1f} | " + " | ".join(f"{n} {v:.1f}" for n, v in fixed.items())
-                      + (f" | {a / med['K=0']:.2f}x plain (paired {paired('K=0')})" if "K=0" in med else " | -")
-                      + f" | {a / fixed[best]:.2f}x best "
-                      f"({best}; paired {paired(best)}) | {time.monotonic() - t0:.0f} s |", flush=True)
-        finally:
-            for s in servers.values():
-                s.close()
+            print(f"| {name} | {c} | {a:.1f} | " + " | ".join(f"{n} {v:.1f}" for n, v in fixed.items())
+                  + (f" | {a / med['K=0']:.2f}x plain (paired {paired('K=0')})" if "K=0" in med else " | -")
+                  + f" | {a / fixed[best]:.2f}x best "
+                  f"({best}; paired {paired(best)}) | {time.monotonic() - t0:.0f} s |", flush=True)
     return 0
 
 

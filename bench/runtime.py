@@ -181,15 +181,19 @@ def _tokens(raw: bytes) -> int:
     return got
 
 
-def _clients_once(url: str, model: str, prompts: list[list[int]], n: int) -> float:
-    """Aggregate tokens/s of len(prompts) concurrent streaming clients, once. Each client's connection is open
-    before the clock starts, as an SDK client's connection pool keeps it: the figure is the streams', not TCP
-    set-up's (~1 ms a connection on the CPU box, paid once per client)."""
+def _clients_once(url: str, model: str, prompts: list[list[int]], n: int, requests: int = 1) -> float:
+    """Aggregate tokens/s of len(prompts) concurrent streaming clients, once, each sending `requests` requests back
+    to back (a closed loop, as guidellm's concurrent profile: with 1, the figure ends with the slowest stream). Each
+    client's connection is open before the clock starts, as an SDK client's connection pool keeps it: the figure is
+    the streams', not TCP set-up's (~1 ms a connection on the CPU box, paid once per client)."""
+    async def client(c: _Conn, p: list[int]) -> list[bytes]:
+        return [await c.stream(model, p, n) for _ in range(requests)]
+
     async def once() -> float:
         conns = await asyncio.gather(*[_Conn.open(url) for _ in prompts])
         try:
             t0 = time.perf_counter()
-            raws = await asyncio.gather(*[c.stream(model, p, n) for c, p in zip(conns, prompts)])
+            raws = [r for rs in await asyncio.gather(*[client(c, p) for c, p in zip(conns, prompts)]) for r in rs]
             dt = time.perf_counter() - t0
         finally:
             for c in conns:

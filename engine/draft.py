@@ -52,6 +52,12 @@ def _pick(rows: list[SessionState], logits: torch.Tensor, extra: torch.Tensor) -
     return tok, top, qs
 
 
+def _rides(r: SessionState) -> bool:
+    """Whether a row past its k can stay in the round's chained draft forwards with its drafts cut: greedy, no
+    constraint, no logit processing, no p-min (nothing reads or draws from what it would draft)."""
+    return r.sampling.greedy and r.constraint is None and not r.sampling.processes and r.p_min == 0
+
+
 def rope_deltas(rows: list[SessionState]) -> dict[str, list[int]]:
     """The runner's `delta` keyword for these rows: {} when every row rotates at its cache positions (text-only
     sessions: the runner's plain call), else {"delta": each row's rope delta}."""
@@ -130,11 +136,16 @@ def _draft(model: Qwen35ForCausalLM, rows: list[SessionState], ks: list[int],
             _hook(r, None, r.constraint.draft_begin)
     alive = torch.ones(len(act), dtype=torch.bool, device=dev)
     for j in range(K):
-        live = [a for a, i in enumerate(act) if ks[i] > j and rows[i].error is None]
-        if j > 0 and len(live) < len(act):  # rows done drafting or failed leave the chained forwards
-            if not live:
+        # rows done drafting ride along, their drafts cut (no gathers; the forwards are row-wise), unless a draw, a
+        # hook or a failure would see the ride: sampled, constrained or penalised rows and failed ones leave
+        live = [a for a, i in enumerate(act) if rows[i].error is None and (ks[i] > j or _rides(rows[i]))]
+        if j > 0:
+            if not any(ks[act[a]] > j for a in live):
                 break
-            act, h, alive = [act[a] for a in live], h[live], alive[live]
+            if len(live) < len(act):
+                act, h, alive = [act[a] for a in live], h[live], alive[live]
+            if any(ks[i] <= j for i in act):  # riders: their drafts from here on are cut
+                alive &= torch.tensor([ks[i] > j for i in act], device=dev)
         ix = act if len(act) < N else slice(None)  # drafts' rows of `act` (all rows: views, not gathers)
         if j > 0:  # chained depth: the previous draft and the head's own hidden, one row each
             prev = drafts[ix, j - 1].clamp_min(0)[:, None]  # [A, 1]

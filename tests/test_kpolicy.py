@@ -82,6 +82,36 @@ def test_adversarial_k_schedules_equal_plain_greedy(model, graphs):
         assert widths and max(widths) <= sched.pool.window and widths.count(sched.pool.window) >= 2
 
 
+def test_rows_past_their_k_ride_the_draft_forwards(model):
+    """A greedy row past its k stays in the round's chained draft forwards with its drafts cut (no gather of the
+    rows still drafting); a sampled row and a grammar row past theirs leave them (no draw, no hook sees the ride).
+    Every row emits what it emits alone at its k, bit for bit, and drafts no position past its k."""
+    V = model.config.vocab_size
+    ps = _prompts(V)
+    banned = set(range(0, V, 7))
+    seeded = SpecSampling(temperature=0.9, seed=4)
+    plain = [generate_spec(model, p, 30, k=0)[0] for p in ps[:2]]
+    alone = SpecSession(model, ps[2], 30, k=1, sampling=seeded).run()
+    cons_ref = SpecSession(model, ps[3], 30, k=0, constraint=ParityConstraint(V, banned)).run()
+    sched = Scheduler(model, max_num_seqs=4, max_model_len=128, k=K, max_num_batched_tokens=128)
+    mk = lambda i, **kw: SpecSession(model, ps[i], 30, k=K, pool=sched.pool, **kw)  # noqa: E731
+    rows = [mk(0), mk(1), mk(2, sampling=seeded), mk(3, constraint=ParityConstraint(V, banned))]
+    widths: list[int] = []
+    draft = sched.runner.draft
+
+    def spy(model, pool, tokens, *a, **kw):
+        widths.append(tokens.shape[0])
+        return draft(model, pool, tokens, *a, **kw)
+
+    sched.runner.draft = spy
+    _drive(sched, rows, lambda step, i: (1, K, 1, 2)[i])  # greedy 1, greedy K, sampled 1, grammar 2
+    assert [r.emitted for r in rows[:2]] == plain and rows[2].emitted == alone and rows[3].emitted == cons_ref
+    # depths 0..3 of a full round: all 4; the sampled row left; the grammar row left; the greedy k=1 row rode on
+    assert any(widths[i:i + 4] == [4, 3, 2, 2] for i in range(len(widths)))
+    assert rows[0].telem.pos_drafted[1:] == [0] * (len(rows[0].telem.pos_drafted) - 1) and rows[0].telem.drafted
+    assert rows[3].telem.pos_drafted[2] == 0 and rows[1].telem.pos_drafted[K - 1] > 0
+
+
 def test_controller_on_equals_plain_greedy(model):
     """The controller (fixed cost table) choosing every round: greedy rows emit plain greedy; a seeded sampled row
     keeps its K (its text is the seed's, whatever the controller measures), as alone."""

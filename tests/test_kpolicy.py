@@ -49,6 +49,19 @@ def _drive(sched: Scheduler, sessions: list[SpecSession], choose=None) -> None:
         assert step < 1000
 
 
+def _draft_shapes(sched: Scheduler, dim: int) -> list[int]:
+    """From now on, each draft forward's tokens.shape[dim] is appended to the list returned."""
+    got: list[int] = []
+    draft = sched.runner.draft
+
+    def spy(model, pool, tokens, *a, **kw):
+        got.append(tokens.shape[dim])
+        return draft(model, pool, tokens, *a, **kw)
+
+    sched.runner.draft = spy
+    return got
+
+
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-bodies"])
 def test_adversarial_k_schedules_equal_plain_greedy(model, graphs):
     """Every row's k is redrawn every round (0..K_max, rows at 0 beside rows at K_max, long runs at 0 so the MTP
@@ -63,14 +76,7 @@ def test_adversarial_k_schedules_equal_plain_greedy(model, graphs):
     assert isinstance(sched.runner, GraphRunner) == graphs
     mk = lambda i, **kw: SpecSession(model, ps[i], 40, k=K, pool=sched.pool, **kw)  # noqa: E731
     rows = [mk(0), mk(1), mk(2), mk(3, constraint=ParityConstraint(V, banned))]
-    widths: list[int] = []
-    draft = sched.runner.draft
-
-    def spy(model, pool, tokens, *a, **kw):
-        widths.append(tokens.shape[1])
-        return draft(model, pool, tokens, *a, **kw)
-
-    sched.runner.draft = spy
+    widths = _draft_shapes(sched, 1)
     # row 0: random every round; row 1: K_max; row 2: 0 for 12 rounds then K_max (backlog 12 > window 5);
     # row 3 (grammar): alternates 0 and K_max
     _drive(sched, rows, lambda step, i: (rng.randint(0, K), K, 0 if step < 12 else K, K * (step % 2))[i])
@@ -96,14 +102,7 @@ def test_rows_past_their_k_ride_the_draft_forwards(model):
     sched = Scheduler(model, max_num_seqs=4, max_model_len=128, k=K, max_num_batched_tokens=128)
     mk = lambda i, **kw: SpecSession(model, ps[i], 30, k=K, pool=sched.pool, **kw)  # noqa: E731
     rows = [mk(0), mk(1), mk(2, sampling=seeded), mk(3, constraint=ParityConstraint(V, banned))]
-    widths: list[int] = []
-    draft = sched.runner.draft
-
-    def spy(model, pool, tokens, *a, **kw):
-        widths.append(tokens.shape[0])
-        return draft(model, pool, tokens, *a, **kw)
-
-    sched.runner.draft = spy
+    widths = _draft_shapes(sched, 0)  # rows of each draft forward
     _drive(sched, rows, lambda step, i: (1, K, 1, 2)[i])  # greedy 1, greedy K, sampled 1, grammar 2
     assert [r.emitted for r in rows[:2]] == plain and rows[2].emitted == alone and rows[3].emitted == cons_ref
     # depths 0..3 of a full round: all 4; the sampled row left; the grammar row left; the greedy k=1 row rode on

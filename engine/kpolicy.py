@@ -8,10 +8,11 @@
     own previous position otherwise);
   * the cost table c(B, T): seconds of one round of B rows (a batch-size bucket) at verify width T, profiled at
     startup on the real model (`profile_costs`: the forwards alone) and refined by an EMA of measured round times
-    (`observe_time`); a width not measured yet is its profile plus the bucket's measured overhead (the host's work
-    of a round, which the profile leaves out: without it deeper widths would look dearer than they are), and a
-    measured width's own estimate fades back to that (by `STALE` for every round of its bucket at another width),
-    so one slow measurement cannot keep a width unchosen, and so unmeasured again, for good.
+    (`observe_time`; the scheduler times a round from its start to the next step's); a width not measured yet is
+    its profile plus the bucket's measured overhead (the host's work of a round, which the profile leaves out:
+    without it deeper widths would look dearer than they are), and a measured width's own estimate fades back to
+    that (by `STALE` for every round of its bucket at another width), so one slow measurement cannot keep a width
+    unchosen, and so unmeasured again, for good.
 A row expects E(k) = 1 + sum_{j<k} prod_{i<=j} a_i tokens from k drafts; its useful depth d is the number of
 drafts it reaches with a chance of at least `USEFUL` (E(j+1) - E(j) >= USEFUL). The batch's T maximises
 sum_r E_r(min(d_r, T-1)) / c(B, T), rows drafting min(d_r, T-1): the verify pads every row to T, so a row whose

@@ -197,6 +197,8 @@ class Scheduler:
         self.spec_k_counts = [0] * (self.k + 1)
         self._table: dict[str, dict[str, float]] = {}
         self._table_at = -math.inf
+        #: the last round's (rows, T, start, seconds of the round alone), its time fed back at the next step's start
+        self._open: tuple[list[SpecSession], int, float, float] | None = None
         self._cost_buckets = self.buckets or graph_buckets(max_num_seqs)
         if spec_policy is not None and self.k > 0:
             spec = dataclasses.replace(spec_policy, k_max=self.k)
@@ -259,8 +261,9 @@ class Scheduler:
         return max((s.k_round() for s in self.running), default=0) + 1
 
     def _observe_round(self, rows: list[SpecSession], before: list[tuple[int, int]], ks: list[int], T: int,
-                       seconds: float) -> None:
-        """Feed the round's outcome back: each row's drafts / accepted (its telemetry's change) and the wall time."""
+                       start: float, seconds: float) -> None:
+        """Feed the round's outcome back: each row's drafts / accepted (its telemetry's change); its time waits for
+        `_close_round`."""
         for k in ks:
             self.spec_k_counts[min(k, self.k)] += 1
         pol = self.policy
@@ -269,7 +272,18 @@ class Scheduler:
         for s, (d0, a0) in zip(rows, before):
             if s.error is None and s.k_next is not None:
                 pol.observe(s, s.telem.drafted - d0, s.telem.accepted - a0)
-        pol.observe_time(len(rows), T, seconds)
+        self._open = (rows, T, start, seconds)
+
+    def _close_round(self, now: float) -> None:
+        """Feed the last round's time back: from its start to now (this step's start) when a row of it still runs
+        (its caller went on at once: the interval is what a round at its width costs, the host's work between rounds,
+        prefill blocks and the server's relay of the tokens, included), else the round alone."""
+        o, self._open = self._open, None
+        if o is None or self.policy is None:
+            return
+        rows, T, start, seconds = o
+        going = set(self.running)
+        self.policy.observe_time(len(rows), T, now - start if any(s in going for s in rows) else seconds)
 
     def describe(self) -> str:
         """One line: what the state pool reserved, and the prefix cache's budget."""
@@ -774,6 +788,7 @@ class Scheduler:
     def step(self) -> StepResult:
         """One round for the running sessions, then prefill blocks under the token budget."""
         res = StepResult()
+        self._close_round(time.perf_counter())
         self.settle()
         self._patches_left, self._encoded = self.encoder_patch_blocks_per_step, False
         if self.encoder is not None and self.encoder.pending():  # partial encodes of sessions that left are dropped
@@ -792,7 +807,7 @@ class Scheduler:
             except Exception as e:  # noqa: BLE001 - the batched part failed: every row of it is in doubt
                 for s in self.running:
                     s.fail(e)
-            self._observe_round(rows, tel, ks, T, time.perf_counter() - t0)
+            self._observe_round(rows, tel, ks, T, t0, time.perf_counter() - t0)
             if self._decode_blocks:
                 self._capture_decoded(self.running, before)
                 self._finish_pending(self.running)

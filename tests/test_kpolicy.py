@@ -10,6 +10,7 @@ mixed batch -> a k per row); the K cap by batch size; the profiled cost table.
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -129,6 +130,26 @@ def test_controller_on_equals_plain_greedy(model):
     assert sched.spec_k_counts[0] > 0 and sched.spec_k_counts[K] > 0  # plain rows beside K_max rows
     assert sum(sched.spec_k_counts) > 0 and sched.policy is not None and not sched.policy.rows  # rows forgotten
     assert all(r.telem.k_rounds > 0 and 0 <= r.telem.k_sum <= K * r.telem.k_rounds for r in rows)
+
+
+def test_a_rounds_time_runs_to_the_next_step(model):
+    """The controller's cost of a round is the time from its start to the next step's, the host's work between
+    the two included (the server's relay of the tokens, prefill blocks), while a row of it goes on; a last round
+    (no row of it left) counts the round alone."""
+    costs = {(b, t): 1.0 for b in (1, 2, 4) for t in range(1, K + 2)}
+    sched = Scheduler(model, max_num_seqs=4, max_model_len=128, k=K, max_num_batched_tokens=64,
+                      spec_policy=KPolicySpec(K), spec_costs=costs)
+    assert sched.policy is not None
+    got: list[float] = []
+    observe = sched.policy.observe_time
+    sched.policy.observe_time = lambda n, T, sec: (got.append(sec), observe(n, T, sec))  # type: ignore[method-assign]
+    sess = SpecSession(model, _prompts(model.config.vocab_size)[0], 6, k=K, pool=sched.pool)
+    sched.add(sess)
+    while sched.num_sessions:
+        sched.step()
+        time.sleep(0.2)  # the host's work between steps
+    sched.step()  # closes the last round
+    assert len(got) >= 2 and all(sec >= 0.2 for sec in got[:-1]) and got[-1] < 0.2
 
 
 def _policy(k: int = K, cost=lambda t: 1.0 + 0.1 * (t - 1), **kw) -> KPolicy:

@@ -136,10 +136,10 @@ def _draft(model: Qwen35ForCausalLM, rows: list[SessionState], ks: list[int],
             _hook(r, None, r.constraint.draft_begin)
     alive = torch.ones(len(act), dtype=torch.bool, device=dev)
     for j in range(K):
-        # rows done drafting ride along, their drafts cut (no gathers; the forwards are row-wise), unless a draw, a
-        # hook or a failure would see the ride: sampled, constrained or penalised rows and failed ones leave
-        live = [a for a, i in enumerate(act) if rows[i].error is None and (ks[i] > j or _rides(rows[i]))]
         if j > 0:
+            # rows done drafting ride along, their drafts cut (no gathers; the forwards are row-wise), unless a draw,
+            # a hook or a failure would see the ride: sampled, constrained or penalised rows and failed ones leave
+            live = [a for a, i in enumerate(act) if rows[i].error is None and (ks[i] > j or _rides(rows[i]))]
             if not any(ks[act[a]] > j for a in live):
                 break
             if len(live) < len(act):

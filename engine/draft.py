@@ -52,7 +52,7 @@ def _pick(rows: list[SessionState], logits: torch.Tensor, extra: torch.Tensor) -
     return tok, top, qs
 
 
-def _rides(r: SessionState) -> bool:
+def rides(r: SessionState) -> bool:
     """Whether a row past its k can stay in the round's chained draft forwards with its drafts cut: greedy, no
     constraint, no logit processing, no p-min (nothing reads or draws from what it would draft)."""
     return r.sampling.greedy and r.constraint is None and not r.sampling.processes and r.p_min == 0
@@ -139,7 +139,7 @@ def _draft(model: Qwen35ForCausalLM, rows: list[SessionState], ks: list[int],
         if j > 0:
             # rows done drafting ride along, their drafts cut (no gathers; the forwards are row-wise), unless a draw,
             # a hook or a failure would see the ride: sampled, constrained or penalised rows and failed ones leave
-            live = [a for a, i in enumerate(act) if rows[i].error is None and (ks[i] > j or _rides(rows[i]))]
+            live = [a for a, i in enumerate(act) if rows[i].error is None and (ks[i] > j or rides(rows[i]))]
             if not any(ks[act[a]] > j for a in live):
                 break
             if len(live) < len(act):

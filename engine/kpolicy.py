@@ -176,8 +176,10 @@ class KPolicy:
             d += p >= USEFUL
         return out, d
 
-    def plan(self, rows: list[Hashable]) -> list[int]:
-        """Each row's k for the next round (a round over `rows`, in order; none: [])."""
+    def plan(self, rows: list[Hashable], free: list[bool] | None = None) -> list[int]:
+        """Each row's k for the next round (a round over `rows`, in order; none: []). `free[i]`: row i's drafts past
+        its useful depth cost nothing (it stays in the round's draft forwards to their end whatever its k: a greedy
+        row, `engine.draft.rides`), so when it drafts at all it drafts T - 1."""
         if not rows:
             return []
         self.rounds += 1
@@ -192,13 +194,15 @@ class KPolicy:
         # USEFUL (the verify pads every row to T, so a row's drafts below T cost only its share of the draft forwards)
         deep: list[int] = []
         tot = [0.0] * (cap + 1)  # tot[T-1] = sum_r E_r(min(d_r, T - 1)): the batch's tokens at width T
-        for r in rows:
+        wide = [bool(free and free[i]) for i in range(n)]  # rows that draft T - 1 once they draft at all
+        for i, r in enumerate(rows):
             e = self.rows.get(r)
             if e is not None:
                 e.decay(DECAY)
             curve, d = self.curve(self.accept(r, pa), cap)
             deep.append(d)
-            tot = [x + y for x, y in zip(tot, curve[:d + 1] + [curve[d]] * (cap - d))]
+            wide[i] = wide[i] and d > 0
+            tot = [x + y for x, y in zip(tot, curve if wide[i] else curve[:d + 1] + [curve[d]] * (cap - d))]
         ks = deep  # no row has a useful draft: whatever T wins, every row drafts min(0, T - 1) = 0
         if any(deep):
             rate, T = -1.0, 1
@@ -206,11 +210,13 @@ class KPolicy:
                 r = tot[t - 1] / c[t - 1]
                 if r > rate * (1 + MARGIN):
                     rate, T = r, t
-            ks = [min(d, T - 1) for d in deep]
+            ks = [T - 1 if w else min(d, T - 1) for d, w in zip(deep, wide)]
         self._probing = self.rounds % self.probe_every == 0
         if self._probing:  # rows at 0 try 1, rows below the cap try one deeper
             ks = [min(k + 1, cap) for k in ks]
         self.last_t = max(ks) + 1
+        if free:  # a free row that drafts rides to the round's last depth anyway: its drafts there are not cut
+            ks = [self.last_t - 1 if f and k else k for f, k in zip(free, ks)]
         return ks
 
     def observe(self, row: Hashable, drafted: int, n_acc: int) -> None:

@@ -45,6 +45,7 @@ import torch
 
 from .cache import (PREFILL_GRID, TAIL_MARGIN, GdnPool, PrefixCache, PrefixCacheStats, StatePool, block_keys,
                     pool_bytes, tail_key)
+from .draft import rides
 from .encoder import ImageEncoder, image_patches
 from .graphs import EAGER, GraphRunner, StepRunner, graph_buckets, padding_rows
 from .images import VisionStats
@@ -256,7 +257,7 @@ class Scheduler:
         pol = self.policy
         rows = [s for s in self.running if s.sampling.greedy or s.sampling.seed is None]
         if rows and pol is not None and (pol.cost or not pol.spec.adaptive):
-            for s, k in zip(rows, pol.plan(rows)):
+            for s, k in zip(rows, pol.plan(rows, [rides(s) for s in rows])):
                 s.k_next = k
         return max((s.k_round() for s in self.running), default=0) + 1
 

@@ -16,7 +16,8 @@
 A row expects E(k) = 1 + sum_{j<k} prod_{i<=j} a_i tokens from k drafts; its useful depth d is the number of
 drafts it reaches with a chance of at least `USEFUL` (E(j+1) - E(j) >= USEFUL). The batch's T maximises
 sum_r E_r(min(d_r, T-1)) / c(B, T), rows drafting min(d_r, T-1): the verify pads every row to T, so a row whose
-drafts alone would not pay for a wider verify still drafts when another row's widened it. Rows at
+drafts alone would not pay for a wider verify still drafts when another row's widened it; a free row (greedy: its
+drafts cost nothing once the round drafts, see `plan`) counts E_r(T-1) and drafts T - 1. Rows at
 k = 0 are probed at k = 1 on probe rounds (every `PROBE_EVERY` rounds, doubling up to `PROBE_MAX` while probes
 fail), and rows at 0 < k < cap probe k + 1 then: their estimates can recover and deepen. Exactness never depends
 on any of this: spec == plain for every k of every row in every round.
@@ -177,9 +178,10 @@ class KPolicy:
         return out, d
 
     def plan(self, rows: list[Hashable], free: list[bool] | None = None) -> list[int]:
-        """Each row's k for the next round (a round over `rows`, in order; none: []). `free[i]`: row i's drafts past
-        its useful depth cost nothing (it stays in the round's draft forwards to their end whatever its k: a greedy
-        row, `engine.draft.rides`), so when it drafts at all it drafts T - 1."""
+        """Each row's k for the next round (a round over `rows`, in order; none: []). `free[i]`: row i's drafts cost
+        nothing once the round drafts at all (a greedy row, `engine.draft.rides`: it stays in the round's draft
+        forwards to their end whatever its k, and a row that does not draft still writes its MTP rows later), so it
+        drafts T - 1, and a round that drafts nothing (T = 1) runs it plain."""
         if not rows:
             return []
         self.rounds += 1
@@ -194,14 +196,13 @@ class KPolicy:
         # USEFUL (the verify pads every row to T, so a row's drafts below T cost only its share of the draft forwards)
         deep: list[int] = []
         tot = [0.0] * (cap + 1)  # tot[T-1] = sum_r E_r(min(d_r, T - 1)): the batch's tokens at width T
-        wide = [bool(free and free[i]) for i in range(n)]  # rows that draft T - 1 once they draft at all
+        wide = [bool(free and free[i]) for i in range(n)]  # rows that draft T - 1
         for i, r in enumerate(rows):
             e = self.rows.get(r)
             if e is not None:
                 e.decay(DECAY)
             curve, d = self.curve(self.accept(r, pa), cap)
             deep.append(d)
-            wide[i] = wide[i] and d > 0
             tot = [x + y for x, y in zip(tot, curve if wide[i] else curve[:d + 1] + [curve[d]] * (cap - d))]
         ks = deep  # no row has a useful draft: whatever T wins, every row drafts min(0, T - 1) = 0
         if any(deep):
@@ -215,8 +216,8 @@ class KPolicy:
         if self._probing:  # rows at 0 try 1, rows below the cap try one deeper
             ks = [min(k + 1, cap) for k in ks]
         self.last_t = max(ks) + 1
-        if free:  # a free row that drafts rides to the round's last depth anyway: its drafts there are not cut
-            ks = [self.last_t - 1 if f and k else k for f, k in zip(free, ks)]
+        if free:  # the round's width as probes or other rows set it
+            ks = [self.last_t - 1 if f else k for f, k in zip(free, ks)]
         return ks
 
     def observe(self, row: Hashable, drafted: int, n_acc: int) -> None:

@@ -122,6 +122,7 @@ class KPolicy:
     _probe_hits: int = 0
     last_t: int = 1
     _bucket_of: dict[int, int] = field(default_factory=dict)
+    _pooled: list[float] | None = None  # `pooled()` since the pool last moved
 
     def __post_init__(self) -> None:
         K = self.spec.k_max
@@ -137,12 +138,15 @@ class KPolicy:
     def pooled(self) -> list[float]:
         """The pooled conditional acceptance per position (a new row's estimate): the pool's counts with one
         pseudo-observation of the previous position's (position 0's: A_INIT)."""
+        if self._pooled is not None:  # the pool moved on no round since
+            return self._pooled
         p = self.pool
         assert p is not None
         out, prev = [], A_INIT
         for h, n in zip(p.hit, p.n):
             prev = (h + PRIOR_WEIGHT * prev) / (n + PRIOR_WEIGHT)
             out.append(prev)
+        self._pooled = out
         return out
 
     def accept(self, row: Hashable, pooled: list[float] | None = None) -> list[float]:
@@ -189,23 +193,27 @@ class KPolicy:
         if not self.spec.adaptive or cap == 0:
             self.last_t = cap + 1
             return [cap] * n
-        B = self.bucket(n)
-        c = [self.seconds(B, T) for T in range(1, cap + 2)]  # c[T-1]
         pa = self.pooled()
-        # E[i][k]: row i's tokens from k drafts; deep[i]: its useful depth, the drafts it reaches with a chance >=
-        # USEFUL (the verify pads every row to T, so a row's drafts below T cost only its share of the draft forwards)
+        # curves[i][k]: row i's tokens from k drafts; deep[i]: its useful depth, the drafts it reaches with a chance
+        # >= USEFUL (the verify pads every row to T, so a row's drafts below T cost only its share of the draft
+        # forwards)
+        curves: list[list[float]] = []
         deep: list[int] = []
-        tot = [0.0] * (cap + 1)  # tot[T-1] = sum_r E_r(min(d_r, T - 1)): the batch's tokens at width T
-        wide = [bool(free and free[i]) for i in range(n)]  # rows that draft T - 1
-        for i, r in enumerate(rows):
+        for r in rows:
             e = self.rows.get(r)
             if e is not None:
                 e.decay(DECAY)
             curve, d = self.curve(self.accept(r, pa), cap)
+            curves.append(curve)
             deep.append(d)
-            tot = [x + y for x, y in zip(tot, curve if wide[i] else curve[:d + 1] + [curve[d]] * (cap - d))]
         ks = deep  # no row has a useful draft: whatever T wins, every row drafts min(0, T - 1) = 0
+        wide = [bool(free and free[i]) for i in range(n)]  # rows that draft T - 1
         if any(deep):
+            B = self.bucket(n)
+            c = [self.seconds(B, T) for T in range(1, cap + 2)]  # c[T-1]
+            tot = [0.0] * (cap + 1)  # tot[T-1] = sum_r E_r(min(d_r, T - 1)) (free rows: E_r(T - 1)): tokens at T
+            for curve, d, w in zip(curves, deep, wide):
+                tot = [x + y for x, y in zip(tot, curve if w else curve[:d + 1] + [curve[d]] * (cap - d))]
             rate, T = -1.0, 1
             for t in range(1, cap + 2):
                 r = tot[t - 1] / c[t - 1]
@@ -231,6 +239,7 @@ class KPolicy:
         if drafted:
             self.pool.decay(POOL_DECAY)
             self.pool.add(drafted, n_acc)
+            self._pooled = None
         self._probe_hits += n_acc if self._probing else 0
 
     def seconds(self, B: int, T: int) -> float:

@@ -100,6 +100,17 @@ class _Est:
     def decay(self, f: float) -> None:
         self.hit, self.n = [h * f for h in self.hit], [n * f for n in self.n]
 
+    def decay_accept(self, f: float, pa: list[float]) -> list[float]:
+        """`decay(f)`, then the conditional acceptance per position (`KPolicy.accept` with pooled `pa`), in one pass."""
+        hit, n, out, prev = self.hit, self.n, [], -1.0
+        for j, pj in enumerate(pa):
+            h = hit[j] = hit[j] * f
+            m = n[j] = n[j] * f
+            # a position the row never reached: its own position j-1's estimate
+            prev = prev if m < 0.5 and j else (h + PRIOR_WEIGHT * pj) / (m + PRIOR_WEIGHT)
+            out.append(prev)
+        return out
+
 
 @dataclass
 class KPolicy:
@@ -199,11 +210,13 @@ class KPolicy:
         # forwards)
         curves: list[list[float]] = []
         deep: list[int] = []
+        new = None  # the curve of a row without an estimate yet (the pooled one)
         for r in rows:
             e = self.rows.get(r)
             if e is not None:
-                e.decay(DECAY)
-            curve, d = self.curve(self.accept(r, pa), cap)
+                curve, d = self.curve(e.decay_accept(DECAY, pa), cap)
+            else:
+                curve, d = new = new or self.curve(pa, cap)
             curves.append(curve)
             deep.append(d)
         ks = deep  # no row has a useful draft: whatever T wins, every row drafts min(0, T - 1) = 0

@@ -196,6 +196,8 @@ class Scheduler:
         #: the speculation controller (None: fixed K); `spec_k_counts[k]`: rounds x rows that drafted k
         self.policy: KPolicy | None = None
         self.spec_k_counts = [0] * (self.k + 1)
+        #: each running session's `engine.draft.rides` (fixed for its life): the controller's free rows
+        self._free: dict[SpecSession, bool] = {}
         self._table: dict[str, dict[str, float]] = {}
         self._table_at = -math.inf
         #: the last round's (rows, T, start, seconds of the round alone), its time fed back at the next step's start
@@ -257,7 +259,7 @@ class Scheduler:
         pol = self.policy
         rows = [s for s in self.running if s.sampling.greedy or s.sampling.seed is None]
         if rows and pol is not None and (pol.cost or not pol.spec.adaptive):
-            for s, k in zip(rows, pol.plan(rows, [rides(s) for s in rows])):
+            for s, k in zip(rows, pol.plan(rows, [self._free.get(s, False) for s in rows])):
                 s.k_next = k
         return max((s.k_round() for s in self.running), default=0) + 1
 
@@ -283,7 +285,7 @@ class Scheduler:
         if o is None or self.policy is None:
             return
         rows, T, start, seconds = o
-        going = set(self.running)
+        going = self.running
         self.policy.observe_time(len(rows), T, now - start if any(s in going for s in rows) else seconds)
 
     def describe(self) -> str:
@@ -344,6 +346,7 @@ class Scheduler:
         self.settle()
         if self.policy is not None:
             self.policy.forget(sess)
+        self._free.pop(sess, None)
         if sess in self.running:
             self.running.remove(sess)
         elif sess in self.joining:
@@ -820,6 +823,7 @@ class Scheduler:
                 self._pkeys.pop(s, None)
                 counts[s] = 0
                 self.running.append(s)
+                self._free[s] = rides(s)
         for s, before_n in counts.items():
             if len(s.emitted) > before_n:
                 res.emitted.append((s, s.emitted[before_n:]))
@@ -844,6 +848,7 @@ class Scheduler:
             self.running.remove(s)
             if self.policy is not None:
                 self.policy.forget(s)
+            self._free.pop(s, None)
             self._drop_writes(s)
             s.close()
             res.finished.append(s)

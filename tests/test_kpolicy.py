@@ -125,8 +125,13 @@ def test_controller_on_equals_plain_greedy(model):
                       spec_policy=KPolicySpec(K), spec_costs=costs)
     rows = [SpecSession(model, p, 30, k=K, pool=sched.pool) for p in ps[:3]]
     seeded = SpecSession(model, ps[3], 30, k=K, pool=sched.pool, sampling=sampled)
+    assert sched.policy is not None
+    plans, plan = [], sched.policy.plan
+    sched.policy.plan = lambda rows, free=None: plans.append((free, plan(rows, free))) or plans[-1][1]  # type: ignore
     _drive(sched, rows + [seeded])
     assert [r.emitted for r in rows] == plain and seeded.emitted == alone and seeded.k_next is None
+    # the greedy rows are free (the seeded row is not planned): every round, each drafts the round's T - 1
+    assert plans and all(free == [True] * len(ks) and len(set(ks)) == 1 for free, ks in plans)
     assert sched.spec_k_counts[0] > 0 and sched.spec_k_counts[K] > 0  # plain rows beside K_max rows
     assert sum(sched.spec_k_counts) > 0 and sched.policy is not None and not sched.policy.rows  # rows forgotten
     assert all(r.telem.k_rounds > 0 and 0 <= r.telem.k_sum <= K * r.telem.k_rounds for r in rows)

@@ -118,6 +118,7 @@ drafts updated but accepted not yet), and ratios computed from a single scrape a
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -125,8 +126,9 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
-from prometheus_client.metrics_core import CounterMetricFamily, Metric
+from prometheus_client.metrics_core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 log = logging.getLogger(__name__)
 
@@ -223,6 +225,23 @@ class _OptipipeCounters(Collector):
             yield fam
 
 
+class _KHistogram(Collector):
+    """``nextn_spec_decode_k``: a histogram of integer k in 0..K, rendered at scrape time from cumulative counts
+    per k (what the engine reports), so an update is one assignment, not one observation per row and round."""
+
+    def __init__(self, name: str, doc: str, k: int, labels: tuple[str, str]):
+        self._name, self._doc, self._labels = name, doc, labels
+        self.counts: tuple[int, ...] = (0,) * (k + 1)
+
+    def collect(self) -> Iterable[Metric]:
+        counts = self.counts  # one read: a tuple replaced whole
+        fam = HistogramMetricFamily(self._name, self._doc, labels=_LABELS)
+        cum = list(itertools.accumulate(counts))
+        fam.add_metric(self._labels, [(floatToGoString(k), c) for k, c in enumerate(cum)] + [("+Inf", cum[-1])],
+                       float(sum(k * c for k, c in enumerate(counts))))
+        yield fam
+
+
 class ServingMetrics:
     """All of nextn's Prometheus series for one served model; thread-safe.
 
@@ -289,10 +308,10 @@ class ServingMetrics:
                 self._pos_child("pos_accepted", j)
                 self._pos_child("pos_drafted", j)
             aliased += [drafts, draft_tokens, accepted, acc_pos]
-            self._spec_k = histogram("spec_decode_k", "Draft tokens a row asked for in one round (the speculation "
-                                     "controller's k, 0 = a plain step inside the batch).",
-                                     [float(k) for k in range(self.num_spec_tokens + 1)]).labels(*lv)
-        self._k_seen: tuple[int, ...] = ()
+            self._spec_k = _KHistogram(_PREFIX + "spec_decode_k", "Draft tokens a row asked for in one round (the "
+                                       "speculation controller's k, 0 = a plain step inside the batch).",
+                                       self.num_spec_tokens, lv)
+            reg.register(self._spec_k)
         #: the speculation controller's cost table ({bucket: {T: ms}}) as last reported (/health)
         self.spec_costs: dict[str, dict[str, float]] = {}
 
@@ -441,18 +460,15 @@ class ServingMetrics:
 
     def set_spec_k(self, stats: Any) -> None:
         """The engine's speculation-length counts (an ``engine.kpolicy.SpecKStats``: cumulative rows x rounds by
-        drafted k, and the controller's cost table): the histogram observes each k as often as its count grew
-        since the last call; the cost table is kept for /health. Dropped with speculation off."""
-        counts = [int(c) for c in stats.counts]
+        drafted k, and the controller's cost table): the histogram holds each k's count (never below one reported
+        before: counts only grow); the cost table is kept for /health. Dropped with speculation off."""
         with self._lock:
             self.spec_costs = dict(stats.costs)
             if self._spec is None:
                 return
-            seen = list(self._k_seen) + [0] * (len(counts) - len(self._k_seen))
-            for k, (new, old) in enumerate(zip(counts, seen)):
-                for _ in range(max(0, new - old)):
-                    self._spec_k.observe(float(k))
-            self._k_seen = tuple(max(a, b) for a, b in zip(counts, seen))
+            old = self._spec_k.counts
+            new = tuple(int(c) for c in stats.counts[:len(old)]) + (0,) * (len(old) - len(stats.counts))
+            self._spec_k.counts = tuple(map(max, new, old))
 
     def set_vision(self, stats: Any) -> None:
         """The engine's image counters (an ``engine.images.VisionStats``: cumulative ``images_encoded``,

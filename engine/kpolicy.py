@@ -19,7 +19,9 @@ sum_r E_r(min(d_r, T-1)) / c(B, T), rows drafting min(d_r, T-1): the verify pads
 drafts alone would not pay for a wider verify still drafts when another row's widened it; a free row (greedy: its
 drafts cost nothing once the round drafts, see `plan`) counts E_r(T-1) and drafts T - 1. Rows at
 k = 0 are probed at k = 1 on probe rounds (every `PROBE_EVERY` rounds, doubling up to `PROBE_MAX` while probes
-fail), and rows at 0 < k < cap probe k + 1 then: their estimates can recover and deepen. Exactness never depends
+fail), and rows at 0 < k < cap probe k + 1 then: their estimates can recover and deepen. Between probes, a batch in
+which neither a row nor the pooled estimate reaches a first draft with a chance >= USEFUL stays plain, planned in O(1)
+(a quiet spell: the rows' decay applied when it ends) until its rows change. Exactness never depends
 on any of this: spec == plain for every k of every row in every round.
 """
 from __future__ import annotations
@@ -134,6 +136,8 @@ class KPolicy:
     last_t: int = 1
     _bucket_of: dict[int, int] = field(default_factory=dict)
     _pooled: list[float] | None = None  # `pooled()` since the pool last moved
+    _quiet: list[Hashable] | None = None  # the rows of a quiet spell (every round plain, no row can draft)
+    _lag: int = 0  # its rounds so far after the first (each owes its rows one DECAY)
 
     def __post_init__(self) -> None:
         K = self.spec.k_max
@@ -167,9 +171,10 @@ class KPolicy:
         e = self.rows.get(row)
         if e is None:
             return pa
+        f = DECAY ** self._lag if self._lag and row in (self._quiet or ()) else 1.0  # a quiet spell's decay, owed
         out: list[float] = []
         prev = None
-        for h, n, pj in zip(e.hit, e.n, pa):
+        for h, n, pj in zip((h * f for h in e.hit), (n * f for n in e.n), pa):
             # a position the row never reached: its own position j-1's estimate
             prev = prev if n < 0.5 and prev is not None else (h + PRIOR_WEIGHT * pj) / (n + PRIOR_WEIGHT)
             out.append(prev)
@@ -204,6 +209,11 @@ class KPolicy:
         if not self.spec.adaptive or cap == 0:
             self.last_t = cap + 1
             return [cap] * n
+        if self._quiet is not None:
+            if rows == self._quiet and self.rounds % self.probe_every:
+                self._lag, self._probing, self.last_t = self._lag + 1, False, 1
+                return [0] * n
+            self._wake()
         pa = self.pooled()
         # curves[i][k]: row i's tokens from k drafts; deep[i]: its useful depth, the drafts it reaches with a chance
         # >= USEFUL (the verify pads every row to T, so a row's drafts below T cost only its share of the draft
@@ -239,7 +249,20 @@ class KPolicy:
         self.last_t = max(ks) + 1
         if free:  # the round's width as probes or other rows set it
             ks = [self.last_t - 1 if f else k for f, k in zip(free, ks)]
+        if self.last_t == 1 and pa[0] < USEFUL:
+            # no row reaches its first draft with a chance >= USEFUL, nor does the pooled estimate: until the rows,
+            # the pool or a probe round change that, no row will (decay moves a row's a_0 monotonically toward pa_0)
+            self._quiet, self._lag = list(rows), 0
         return ks
+
+    def _wake(self) -> None:
+        """Leave a quiet spell: the decay its rounds skipped, at once."""
+        f = DECAY ** self._lag
+        for r in self._quiet or ():
+            e = self.rows.get(r)
+            if e is not None:
+                e.decay(f)
+        self._quiet, self._lag = None, 0
 
     def observe(self, row: Hashable, drafted: int, n_acc: int) -> None:
         """A round's outcome for `row`: `drafted` drafts verified (after cuts), n_acc accepted."""

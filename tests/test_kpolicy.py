@@ -186,6 +186,27 @@ def test_zero_acceptance_runs_plain_but_probes_with_backoff():
     assert sum(map(sum, late)) < 0.02 * len(late) * 2 * K
 
 
+def test_a_quiet_spell_owes_its_rows_their_decay():
+    """Rows at zero acceptance planned in the same order round after round run a quiet spell (plain, planned in O(1));
+    their estimates decay as if every round had been planned in full (rows planned in alternating order, which never
+    forms a spell), and the spell ends on a probe round."""
+    q, r = _policy(), _policy()
+    plans: list[list[int]] = []
+    for i in range(300):
+        for pol, rows in ((q, ["a", "b"]), (r, ["a", "b"] if i % 2 else ["b", "a"])):
+            ks = pol.plan(rows)
+            plans.append(ks)
+            for row, k in zip(rows, ks):
+                pol.observe(row, k, 0)
+            pol.observe_time(2, max(ks) + 1, pol.cost[(2, max(ks) + 1)])
+        assert plans[-1] == plans[-2]
+        if i in (30, 70, 150, 299):
+            for row in "ab":
+                assert q.accept(row) == pytest.approx(r.accept(row), rel=1e-12, abs=1e-15)
+    late = plans[80:]
+    assert all(ks in ([0, 0], [1, 1]) for ks in late) and 2 <= sum(ks == [1, 1] for ks in late) <= 10  # probes
+
+
 def test_high_acceptance_drafts_deep_and_mixed_batch_differs_per_row():
     pol = _policy()
     plans = _feed(pol, ["a"], 30, lambda r, k: k)

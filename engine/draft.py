@@ -54,7 +54,8 @@ def _pick(rows: list[SessionState], logits: torch.Tensor, extra: torch.Tensor) -
 
 def rides(r: SessionState) -> bool:
     """Whether a row past its k can stay in the round's chained draft forwards with its drafts cut: greedy, no
-    constraint, no logit processing, no p-min (nothing reads or draws from what it would draft)."""
+    constraint, no logit processing, no p-min (nothing reads or draws from what it would draft). Such a row's drafts
+    cost nothing once a round drafts (the controller's free rows, `engine.kpolicy.KPolicy.plan`)."""
     return r.sampling.greedy and r.constraint is None and not r.sampling.processes and r.p_min == 0
 
 

@@ -305,7 +305,9 @@ class KPolicy:
             self._probing, self._probe_hits = False, 0
 
     def forget(self, row: Hashable) -> None:
-        """`row` left: drop its estimate."""
+        """`row` left: drop its estimate (and end a quiet spell it was in: the spell's rows are not kept)."""
+        if self._quiet is not None and row in self._quiet:
+            self._wake()
         self.rows.pop(row, None)
 
     def table(self) -> dict[str, dict[str, float]]:

@@ -102,12 +102,14 @@ class _Est:
     def decay(self, f: float) -> None:
         self.hit, self.n = [h * f for h in self.hit], [n * f for n in self.n]
 
-    def decay_accept(self, f: float, pa: list[float]) -> list[float]:
-        """`decay(f)`, then the conditional acceptance per position (`KPolicy.accept` with pooled `pa`), in one pass."""
+    def estimate(self, pa: list[float], f: float = 1.0, keep: bool = False) -> list[float]:
+        """The conditional acceptance per position from these counts times f (kept as the counts: keep), each blended
+        with the pooled `pa`."""
         hit, n, out, prev = self.hit, self.n, [], -1.0
         for j, pj in enumerate(pa):
-            h = hit[j] = hit[j] * f
-            m = n[j] = n[j] * f
+            h, m = hit[j] * f, n[j] * f
+            if keep:
+                hit[j], n[j] = h, m
             # a position the row never reached: its own position j-1's estimate
             prev = prev if m < 0.5 and j else (h + PRIOR_WEIGHT * pj) / (m + PRIOR_WEIGHT)
             out.append(prev)
@@ -171,14 +173,8 @@ class KPolicy:
         e = self.rows.get(row)
         if e is None:
             return pa
-        f = DECAY ** self._lag if self._lag and row in (self._quiet or ()) else 1.0  # a quiet spell's decay, owed
-        out: list[float] = []
-        prev = None
-        for h, n, pj in zip((h * f for h in e.hit), (n * f for n in e.n), pa):
-            # a position the row never reached: its own position j-1's estimate
-            prev = prev if n < 0.5 and prev is not None else (h + PRIOR_WEIGHT * pj) / (n + PRIOR_WEIGHT)
-            out.append(prev)
-        return out
+        owed = self._lag if row in (self._quiet or ()) else 0  # a quiet spell's rounds of decay, not applied yet
+        return e.estimate(pa, DECAY ** owed)
 
     @staticmethod
     def expected(a: list[float], k: int) -> float:
@@ -224,7 +220,7 @@ class KPolicy:
         for r in rows:
             e = self.rows.get(r)
             if e is not None:
-                curve, d = self.curve(e.decay_accept(DECAY, pa), cap)
+                curve, d = self.curve(e.estimate(pa, DECAY, keep=True), cap)  # this round's decay, kept
             else:
                 curve, d = new = new or self.curve(pa, cap)
             curves.append(curve)

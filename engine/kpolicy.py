@@ -284,11 +284,11 @@ class KPolicy:
             return prior
         return prior + (got - prior) * STALE ** (self._measured[B] - self._at[(B, T)])
 
-    def observe_time(self, n: int, T: int, seconds: float) -> None:
-        """The round's wall time (n rows at width T) refines the cost table (an EMA from the width's estimate now);
-        closes a probe round."""
+    def observe_time(self, n: int, T: int, seconds: float | None) -> None:
+        """The round's wall time (n rows at width T; None: not a time of its width) refines the cost table (an EMA
+        from the width's estimate now); closes a probe round."""
         B = self.bucket(n)
-        if (B, T) in self.cost:
+        if seconds is not None and (B, T) in self.cost:
             old = self.seconds(B, T) if (B, T) in self.seen else None
             seconds = seconds if old is None else min(seconds, SPIKE * old)
             old = seconds if old is None else old

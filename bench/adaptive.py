@@ -17,6 +17,13 @@ the best fixed K.
                                                                      # many pairs: a narrow interval
     python bench/adaptive.py --workloads mixed --clients 8 --requests 4   # each client 4 requests back to back: a
                                                                           # batch kept full, not one batch's tail
+    python bench/adaptive.py --workloads mixed --clients 8 --seconds 8   # steady state (guidellm's concurrent
+                                                                         # profile): the tokens of an 8 s window
+
+With one request a client (or --requests N), a repeat ends with its slowest stream: a closed batch, whose figure is
+its slowest rows' pace (a batch's T that speeds its fast rows at the slow ones' expense loses there, whatever it
+gains per round). --seconds measures the server's throughput with every client's next request sent at once, as the
+controller's objective (the batch's tokens per second) has it.
 """
 from __future__ import annotations
 
@@ -32,7 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from runtime import DEFAULT_BENCH_PROMPTS, DEMO, Server, Tokenizer, _clients_once, median_ci  # noqa: E402
+from runtime import (DEFAULT_BENCH_PROMPTS, DEMO, Server, Tokenizer, _clients_for, _clients_once,  # noqa: E402
+                     median_ci)
 
 from bench.prefix import CACHE, qwen08b_checkpoint  # noqa: E402
 
@@ -75,6 +83,9 @@ def main() -> int:
     ap.add_argument("--clients", default="1,8")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--requests", type=int, default=1, help="requests each client sends back to back in a repeat")
+    ap.add_argument("--seconds", type=float, default=0.0,
+                    help="steady state instead: each client sends requests back to back; the tokens of a window this "
+                         "long (after a quarter of it)")
     ap.add_argument("--instances", type=int, default=1,
                     help="blocks of repeats, each on freshly started servers (two identical servers can differ by ~5%%)")
     args = ap.parse_args()
@@ -101,7 +112,9 @@ def main() -> int:
                         _clients_once(s.url, models[n], ps, tokens)
                     for i in range(b * args.repeat // args.instances, (b + 1) * args.repeat // args.instances):
                         for n in names[i % len(names):] + names[:i % len(names)]:  # rotated: each leads in turn
-                            runs[n].append(_clients_once(servers[n].url, models[n], ps, tokens, args.requests))
+                            runs[n].append(_clients_for(servers[n].url, models[n], ps, tokens, args.seconds)
+                                           if args.seconds else
+                                           _clients_once(servers[n].url, models[n], ps, tokens, args.requests))
                 finally:
                     for s in servers.values():
                         s.close()

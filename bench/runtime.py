@@ -206,6 +206,43 @@ def _clients_once(url: str, model: str, prompts: list[list[int]], n: int, reques
         return runner.run(once())
 
 
+def _in_window(spans: list[tuple[float, float, int]], lo: float, hi: float) -> float:
+    """Tokens inside [lo, hi] of requests (start, end, tokens), each request's tokens spread evenly over its time."""
+    return sum(t * max(0.0, min(b, hi) - max(a, lo)) / (b - a) for a, b, t in spans if b > a)
+
+
+def _clients_for(url: str, model: str, prompts: list[list[int]], n: int, seconds: float,
+                 warm: float | None = None) -> float:
+    """Steady-state aggregate tokens/s of len(prompts) streaming clients, each sending requests back to back
+    (guidellm's concurrent profile): the tokens of a window of `seconds` that opens `warm` seconds (default: a
+    quarter of the window) after the clients start, so the first requests' burst of prefill stays out. A request
+    counts its tokens in proportion to its time inside the window; clients send no request after it closes, and
+    those in flight then finish uncounted past it: no stream's tail sets the figure, as it does `_clients_once`'s."""
+    warm = seconds / 4 if warm is None else warm
+
+    async def client(c: _Conn, p: list[int], until: float, spans: list[tuple[float, float, bytes]]) -> None:
+        while (t := time.perf_counter()) < until:
+            raw = await c.stream(model, p, n)
+            spans.append((t, time.perf_counter(), raw))
+
+    async def once() -> float:
+        conns = await asyncio.gather(*[_Conn.open(url) for _ in prompts])
+        spans: list[tuple[float, float, bytes]] = []
+        try:
+            lo = time.perf_counter() + warm
+            hi = lo + seconds
+            await asyncio.gather(*[client(c, p, hi, spans) for c, p in zip(conns, prompts)])
+        finally:
+            for c in conns:
+                c.close()
+        toks = [(a, b, _tokens(raw)) for a, b, raw in spans]
+        if any(t != n for _, _, t in toks):
+            raise RuntimeError(f"a stream ended early: {[t for _, _, t in toks]} tokens of {n}")
+        return _in_window(toks, lo, hi) / seconds
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        return runner.run(once())
+
+
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     """The clients' event loop: uvloop, as the server's (a dependency of nextn; less CPU per chunk than asyncio's),
     else asyncio's."""

@@ -1,5 +1,6 @@
 """bench/runtime.py: its confidence interval for a median of pairs (the order statistics the binomial tails give,
-at least the promised coverage) and its load generator's reading of a streamed response (token count, end)."""
+at least the promised coverage), its load generator's reading of a streamed response (token count, end) and its
+steady-state window."""
 import math
 import random
 
@@ -72,3 +73,12 @@ def test_the_clients_stream_ends_with_the_zero_chunk_or_an_error_status():
     cut = len(raw) - 3  # the last piece completes the zero-size chunk
     assert asyncio.run(feed([raw[:20], raw[20:cut], raw[cut:]])) == [False, False, True]
     assert asyncio.run(feed([b"HTTP/1.1 5", b"03 Service Unavailable\r\n"])) == [False, True]
+
+
+def test_the_steady_window_counts_each_request_by_its_time_inside():
+    from bench.runtime import _in_window
+
+    spans = [(0.0, 2.0, 10), (2.0, 4.0, 10), (4.0, 6.0, 10), (9.0, 11.0, 10), (11.0, 13.0, 10)]
+    assert _in_window(spans, 3.0, 10.0) == pytest.approx(5 + 10 + 5)  # none, half, all, half, none
+    assert _in_window(spans, 0.0, 13.0) == pytest.approx(50)
+    assert _in_window([(1.0, 1.0, 4)], 0.0, 2.0) == 0  # an empty span counts nothing (no division by zero)

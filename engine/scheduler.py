@@ -200,11 +200,9 @@ class Scheduler:
         self._free: dict[SpecSession, bool] = {}
         self._table: dict[str, dict[str, float]] = {}
         self._table_at = -math.inf
-        #: the last round's (rows, T, start, seconds of the round alone, whether its step did work that is not the
-        #: width's), its time fed back at the next step's start
-        self._open: tuple[list[SpecSession], int, float, float, bool] | None = None
-        #: sessions that began running at the last step (their first round writes their prompt's queued MTP rows)
-        self._fresh: set[SpecSession] = set()
+        #: the last round's (rows, T, start, seconds of the round alone, seconds of its step's one-off work since),
+        #: its time fed back at the next step's start
+        self._open: tuple[list[SpecSession], int, float, float, float] | None = None
         self._cost_buckets = self.buckets or graph_buckets(max_num_seqs)
         if spec_policy is not None and self.k > 0:
             spec = dataclasses.replace(spec_policy, k_max=self.k)
@@ -267,9 +265,9 @@ class Scheduler:
         return max((s.k_round() for s in self.running), default=0) + 1
 
     def _observe_round(self, rows: list[SpecSession], before: list[tuple[int, int]], ks: list[int], T: int,
-                       start: float, seconds: float, once: bool) -> None:
+                       start: float, seconds: float) -> None:
         """Feed the round's outcome back: each row's drafts / accepted (its telemetry's change); its time waits for
-        `_close_round`. once: the round did work a session does once (a row's first round), whatever its width."""
+        `_close_round`."""
         for k in ks:
             self.spec_k_counts[min(k, self.k)] += 1
         pol = self.policy
@@ -278,22 +276,26 @@ class Scheduler:
         for s, (d0, a0) in zip(rows, before):
             if s.error is None and s.k_next is not None:
                 pol.observe(s, s.telem.drafted - d0, s.telem.accepted - a0)
-        self._open = (rows, T, start, seconds, once)
+        self._open = (rows, T, start, seconds, 0.0)
+
+    def _aside(self, since: float) -> None:
+        """The time from `since` to now went to work a session does once (prefill, an image's encoding, a finished
+        row's last MTP rows and cache writes): no width's cost, kept out of the open round's."""
+        if self._open is not None:
+            self._open = (*self._open[:4], self._open[4] + time.perf_counter() - since)
 
     def _close_round(self, now: float) -> None:
         """Feed the last round's time back: from its start to now (this step's start) when a row of it still runs
         (its caller went on at once: the interval is what a round at its width costs, the host's work between rounds
-        and the server's relay of the tokens included), else the round alone; nothing when its step did work a
-        session does once (prefill, an image's encoding, a row's first round): that work is no width's cost, and
-        whichever width it fell on looked dearer for dozens of rounds (the demo at 8 clients, engine alone: 0.96x
-        -> 1.00x fixed K = 3)."""
+        and the server's relay of the tokens included) less its step's one-off work (`_aside`: whichever width that
+        fell on looked dearer for dozens of rounds; the demo at 8 rows in steady state, engine alone: 0.95x -> 0.99x
+        fixed K = 3, bench/lockstep.py), else the round alone."""
         o, self._open = self._open, None
         if o is None or self.policy is None:
             return
-        rows, T, start, seconds, once = o
+        rows, T, start, seconds, aside = o
         going = self.running
-        self.policy.observe_time(len(rows), T, None if once else
-                                 now - start if any(s in going for s in rows) else seconds)
+        self.policy.observe_time(len(rows), T, now - start - aside if any(s in going for s in rows) else seconds)
 
     def describe(self) -> str:
         """One line: what the state pool reserved, and the prefix cache's budget."""
@@ -812,22 +814,19 @@ class Scheduler:
             before = [s.cache.length for s in self.running]
             rows, ks = list(self.running), [s.k_round() for s in self.running]
             tel = [(s.telem.drafted, s.telem.accepted) for s in rows]
-            once = any(s in self._fresh for s in rows)
             t0 = time.perf_counter()
             try:
                 spec_round(self.model, self.running, self.runner)
             except Exception as e:  # noqa: BLE001 - the batched part failed: every row of it is in doubt
                 for s in self.running:
                     s.fail(e)
-            self._observe_round(rows, tel, ks, T, t0, time.perf_counter() - t0, once)
+            self._observe_round(rows, tel, ks, T, t0, time.perf_counter() - t0)
             if self._decode_blocks:
                 self._capture_decoded(self.running, before)
                 self._finish_pending(self.running)
-        grants = self._grants(budget)
-        self._prefill_blocks(grants)
-        if self._open is not None and (grants or self._encoded):  # the step's prompt work is no width's cost
-            self._open = (*self._open[:4], True)
-        self._fresh = set()
+        t1 = time.perf_counter()
+        self._prefill_blocks(self._grants(budget))
+        self._aside(t1)
         for s in list(self.joining):  # prefilled, or failed (a prefill, or a prefix-cache path while joining)
             if not s.prefilling or s.finished:
                 self.joining.remove(s)
@@ -835,12 +834,12 @@ class Scheduler:
                 self._pkeys.pop(s, None)
                 counts[s] = 0
                 self.running.append(s)
-                self._fresh.add(s)
                 self._free[s] = rides(s)
         for s, before_n in counts.items():
             if len(s.emitted) > before_n:
                 res.emitted.append((s, s.emitted[before_n:]))
         done = [s for s in self.running if s.finished]
+        t2 = time.perf_counter()
         if done:
             self.settle()
         if done and self._decode_blocks:
@@ -865,4 +864,6 @@ class Scheduler:
             self._drop_writes(s)
             s.close()
             res.finished.append(s)
+        if done:
+            self._aside(t2)
         return res

@@ -344,9 +344,11 @@ def test_measured_round_times_refine_the_table_and_unmeasured_widths_carry_the_o
     pol.observe_time(1, 1, 2.0)  # profiled 1.0: the host adds 1.0 a round
     assert pol.seconds(1, 1) == 2.0 and pol.seconds(1, 4) == pytest.approx(1.3 + 1.0)
     assert pol.seconds(8, 4) == pytest.approx(1.3)  # another bucket: nothing measured there yet
-    pol.observe_time(1, 1, 3.0)
-    assert pol.seconds(1, 1) == pytest.approx(2.0 + 0.2 * 1.0)  # an EMA
-    assert pol.table()["1"]["1"] == pytest.approx(2200.0)
+    pol.observe_time(1, 1, 2.1)
+    assert pol.seconds(1, 1) == pytest.approx(2.0 + 0.2 * 0.1)  # an EMA
+    assert pol.table()["1"]["1"] == pytest.approx(2020.0)
+    pol.observe_time(1, 1, 20.0)  # an outlier counts as SPIKE x the estimate
+    assert pol.seconds(1, 1) == pytest.approx(2.02 + 0.2 * 0.1 * 2.02)
 
 
 def test_a_width_not_run_for_a_while_returns_to_its_profile_plus_the_overhead():

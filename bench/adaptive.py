@@ -87,7 +87,8 @@ def main() -> int:
                     help="steady state instead: each client sends requests back to back; the tokens of a window this "
                          "long (after a quarter of it)")
     ap.add_argument("--instances", type=int, default=1,
-                    help="blocks of repeats, each on freshly started servers (two identical servers can differ by ~5%%)")
+                    help="blocks of repeats, each on freshly started servers (two identical servers can differ by "
+                         "~5%%)")
     args = ap.parse_args()
     ks = [int(k) for k in args.ks.split(",")]
     kmax = max(3, max(ks))

@@ -288,8 +288,7 @@ class Scheduler:
         """Feed the last round's time back: from its start to now (this step's start) when a row of it still runs
         (its caller went on at once: the interval is what a round at its width costs, the host's work between rounds
         and the server's relay of the tokens included) less its step's one-off work (`_aside`: whichever width that
-        fell on looked dearer for dozens of rounds; the demo at 8 rows in steady state, engine alone: 0.95x -> 0.99x
-        fixed K = 3, bench/lockstep.py), else the round alone."""
+        fell on looked dearer for dozens of rounds), else the round alone."""
         o, self._open = self._open, None
         if o is None or self.policy is None:
             return

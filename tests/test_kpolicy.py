@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 
+import engine.scheduler as scheduler_module
 from engine.graphs import GraphRunner
 from engine.kpolicy import PROBE_EVERY, PROBE_MAX, KPolicy, KPolicySpec, profile_costs
 from engine.loader import load_model
@@ -137,7 +138,7 @@ def test_controller_on_equals_plain_greedy(model):
     assert all(r.telem.k_rounds > 0 and 0 <= r.telem.k_sum <= K * r.telem.k_rounds for r in rows)
 
 
-def test_a_rounds_time_runs_to_the_next_step(model):
+def test_a_rounds_time_runs_to_the_next_step(model, monkeypatch):
     """The controller's cost of a round is the time from its start to the next step's, the host's work between
     the two included (the server's relay of the tokens), while a row of it goes on, less the step's one-off work (a
     prefill, a finished row's last writes); a last round (no row of it left) counts the round alone."""
@@ -148,20 +149,21 @@ def test_a_rounds_time_runs_to_the_next_step(model):
     got: list[float] = []
     observe = sched.policy.observe_time
     sched.policy.observe_time = lambda n, T, sec: (got.append(sec), observe(n, T, sec))  # type: ignore
-    prefill, forget = sched._prefill_blocks, sched.policy.forget
+    prefill, forget = scheduler_module.prefill_rows, sched.policy.forget
     slow = {"prefill": 0, "finish": 0}
 
-    def slow_prefill(grants):  # a dear prefill
-        slow["prefill"] += bool(grants)
-        time.sleep(0.5 if grants else 0.0)
-        prefill(grants)
+    def slow_prefill(*a, **kw):  # a dear prefill
+        slow["prefill"] += 1
+        time.sleep(0.5)
+        return prefill(*a, **kw)
 
     def slow_forget(row):  # and dear work for a finished row
         slow["finish"] += 1
         time.sleep(0.5)
         forget(row)
 
-    sched._prefill_blocks, sched.policy.forget = slow_prefill, slow_forget  # type: ignore
+    monkeypatch.setattr(scheduler_module, "prefill_rows", slow_prefill)
+    sched.policy.forget = slow_forget  # type: ignore[method-assign]
     ps = _prompts(model.config.vocab_size)
     a = SpecSession(model, ps[0], 40, k=K, pool=sched.pool)
     b = SpecSession(model, ps[1], 6, k=K, pool=sched.pool)

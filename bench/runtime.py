@@ -42,7 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import httpx
@@ -181,29 +181,41 @@ def _tokens(raw: bytes) -> int:
     return got
 
 
-def _clients_once(url: str, model: str, prompts: list[list[int]], n: int, requests: int = 1) -> float:
-    """Aggregate tokens/s of len(prompts) concurrent streaming clients, once, each sending `requests` requests back
-    to back (a closed loop, as guidellm's concurrent profile: with 1, the figure ends with the slowest stream). Each
-    client's connection is open before the clock starts, as an SDK client's connection pool keeps it: the figure is
-    the streams', not TCP set-up's (~1 ms a connection on the CPU box, paid once per client)."""
-    async def client(c: _Conn, p: list[int]) -> list[bytes]:
-        return [await c.stream(model, p, n) for _ in range(requests)]
-
+def _on_clients(url: str, clients: int, work: Callable[[list[_Conn]], Awaitable[float]]) -> float:
+    """Run `work` on `clients` keep-alive connections to url, opened before it starts (as an SDK client's pool keeps
+    them: a figure is the streams', not TCP set-up's, ~1 ms a connection on the CPU box) and closed after it."""
     async def once() -> float:
-        conns = await asyncio.gather(*[_Conn.open(url) for _ in prompts])
+        conns = await asyncio.gather(*[_Conn.open(url) for _ in range(clients)])
         try:
-            t0 = time.perf_counter()
-            raws = [r for rs in await asyncio.gather(*[client(c, p) for c, p in zip(conns, prompts)]) for r in rs]
-            dt = time.perf_counter() - t0
+            return await work(conns)
         finally:
             for c in conns:
                 c.close()
-        toks = [_tokens(r) for r in raws]
-        if any(t != n for t in toks):
-            raise RuntimeError(f"a stream ended early: {toks} tokens of {n}")
-        return sum(toks) / dt
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         return runner.run(once())
+
+
+def _counted(raws: list[bytes], n: int) -> list[int]:
+    """Each streamed response's token count, every one n (else a stream ended early)."""
+    toks = [_tokens(r) for r in raws]
+    if any(t != n for t in toks):
+        raise RuntimeError(f"a stream ended early: {toks} tokens of {n}")
+    return toks
+
+
+def _clients_once(url: str, model: str, prompts: list[list[int]], n: int, requests: int = 1) -> float:
+    """Aggregate tokens/s of len(prompts) concurrent streaming clients, once, each sending `requests` requests back
+    to back (a closed loop, as guidellm's concurrent profile: with 1, the figure ends with the slowest stream), each
+    client's connection open before the clock starts (`_on_clients`)."""
+    async def client(c: _Conn, p: list[int]) -> list[bytes]:
+        return [await c.stream(model, p, n) for _ in range(requests)]
+
+    async def work(conns: list[_Conn]) -> float:
+        t0 = time.perf_counter()
+        raws = [r for rs in await asyncio.gather(*[client(c, p) for c, p in zip(conns, prompts)]) for r in rs]
+        dt = time.perf_counter() - t0
+        return sum(_counted(raws, n)) / dt
+    return _on_clients(url, len(prompts), work)
 
 
 def _in_window(spans: list[tuple[float, float, int]], lo: float, hi: float) -> float:
@@ -219,28 +231,20 @@ def _clients_for(url: str, model: str, prompts: list[list[int]], n: int, seconds
     counts its tokens in proportion to its time inside the window; clients send no request after it closes, and
     those in flight then finish uncounted past it: no stream's tail sets the figure, as it does `_clients_once`'s."""
     warm = seconds / 4 if warm is None else warm
+    spans: list[tuple[float, float, bytes]] = []
 
-    async def client(c: _Conn, p: list[int], until: float, spans: list[tuple[float, float, bytes]]) -> None:
+    async def client(c: _Conn, p: list[int], until: float) -> None:
         while (t := time.perf_counter()) < until:
             raw = await c.stream(model, p, n)
             spans.append((t, time.perf_counter(), raw))
 
-    async def once() -> float:
-        conns = await asyncio.gather(*[_Conn.open(url) for _ in prompts])
-        spans: list[tuple[float, float, bytes]] = []
-        try:
-            lo = time.perf_counter() + warm
-            hi = lo + seconds
-            await asyncio.gather(*[client(c, p, hi, spans) for c, p in zip(conns, prompts)])
-        finally:
-            for c in conns:
-                c.close()
-        toks = [(a, b, _tokens(raw)) for a, b, raw in spans]
-        if any(t != n for _, _, t in toks):
-            raise RuntimeError(f"a stream ended early: {[t for _, _, t in toks]} tokens of {n}")
-        return _in_window(toks, lo, hi) / seconds
-    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-        return runner.run(once())
+    async def work(conns: list[_Conn]) -> float:
+        lo = time.perf_counter() + warm
+        hi = lo + seconds
+        await asyncio.gather(*[client(c, p, hi) for c, p in zip(conns, prompts)])
+        toks = _counted([raw for _, _, raw in spans], n)
+        return _in_window([(a, b, t) for (a, b, _), t in zip(spans, toks)], lo, hi) / seconds
+    return _on_clients(url, len(prompts), work)
 
 
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:

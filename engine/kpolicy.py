@@ -12,7 +12,12 @@
     its profile plus the bucket's measured overhead (the host's work of a round, which the profile leaves out:
     without it deeper widths would look dearer than they are), and a measured width's own estimate fades back to
     that (by `STALE` for every round of its bucket at another width), so one slow measurement cannot keep a width
-    unchosen, and so unmeasured again, for good.
+    unchosen, and so unmeasured again, for good;
+  * the price of a deferred MTP row: a row outside the round's draft forwards (every row at T = 1; a row that
+    neither drafts nor rides them otherwise) queues its MTP rows, written later in one head forward (its next
+    drafting round, or its finish: `observe_deferred`, the seconds per row of those flushes). A round's cost is
+    c(B, T) plus that price for each row it defers: without it plain rounds look as cheap as their forwards, and a
+    batch that drafts well on half its rows ran plain, paying its MTP rows at the finish, unseen.
 A row expects E(k) = 1 + sum_{j<k} prod_{i<=j} a_i tokens from k drafts; its useful depth d is the number of
 drafts it reaches with a chance of at least `USEFUL` (E(j+1) - E(j) >= USEFUL). The batch's T maximises
 sum_r E_r(min(d_r, T-1)) / c(B, T), rows drafting min(d_r, T-1): the verify pads every row to T, so a row whose
@@ -53,6 +58,8 @@ STALE = 0.97
 MARGIN = 1e-3
 #: A row drafts position j only while its chance of reaching it (prod_{i<=j} a_i: E(j + 1) - E(j)) is at least this.
 USEFUL = 0.1
+#: Decay of the sums over measured flushes of deferred MTP rows (their price's line), per flush.
+DEFER_DECAY = 0.9
 
 
 @dataclass(frozen=True)
@@ -141,6 +148,7 @@ class KPolicy:
     _pooled: list[float] | None = None  # `pooled()` since the pool last moved
     _quiet: list[Hashable] | None = None  # the rows of a quiet spell (every round plain, no row can draft)
     _lag: int = 0  # its rounds so far after the first (each owes its rows one DECAY)
+    _defer: tuple[float, ...] = (0.0,) * 5  # decayed sums over measured flushes: 1, rows, s, rows^2, rows * s
 
     def __post_init__(self) -> None:
         K = self.spec.k_max
@@ -231,6 +239,10 @@ class KPolicy:
         if any(deep):
             B = self.bucket(n)
             c = [self.seconds(B, T) for T in range(1, cap + 2)]  # c[T-1]
+            m = self.deferred()
+            if m:  # a plain round defers every row's MTP row; a wider one, those of rows that neither draft nor ride
+                lazy = sum(1 for d, w in zip(deep, wide) if not d and not w)
+                c = [x + m * (n if T == 1 else lazy) for T, x in enumerate(c, 1)]
             tot = [0.0] * (cap + 1)  # tot[T-1] = sum_r E_r(min(d_r, T - 1)) (free rows: E_r(T - 1)): tokens at T
             for curve, d, w in zip(curves, deep, wide):
                 tot = [x + y for x, y in zip(tot, curve if w else curve[:d + 1] + [curve[d]] * (cap - d))]
@@ -300,6 +312,22 @@ class KPolicy:
         if self._probing:  # a probe that found nothing waits twice as long for the next one
             self.probe_every = PROBE_EVERY if self._probe_hits else min(PROBE_MAX, 2 * self.probe_every)
             self._probing, self._probe_hits = False, 0
+
+    def observe_deferred(self, rows: int, seconds: float) -> None:
+        """A head forward that wrote `rows` deferred MTP rows (a finished row's queue) took `seconds`."""
+        f = DEFER_DECAY
+        self._defer = tuple(f * a + b for a, b in zip(self._defer, (1.0, rows, seconds, rows * rows, rows * seconds)))
+
+    def deferred(self) -> float:
+        """Seconds per deferred MTP row (0 until a flush was measured): the slope of the recent flushes' time over
+        their rows (a least-squares line: a head forward's fixed part is no row's), the recent ones weighing most;
+        at most their time over their rows (all that a line through flushes of one size can tell)."""
+        w, n, s, nn, ns = self._defer
+        if n <= 0:
+            return 0.0
+        var = w * nn - n * n
+        slope = (w * ns - n * s) / var if var > 1e-9 * w * nn else s / n
+        return min(max(slope, 0.0), s / n)
 
     def forget(self, row: Hashable) -> None:
         """`row` left: drop its estimate (and end a quiet spell it was in: the spell's rows are not kept)."""

@@ -847,11 +847,14 @@ class Scheduler:
             ready = [s for s in done if s.error is None and (w := self._writes.get(s)) is not None
                      and (w.pending or w.tail or w.gen_tail)]
             if ready:
+                queued, t3 = sum(s.mtp_ready for s in ready), time.perf_counter()
                 try:  # the last round's MTP rows, which no next round will write: they complete captured blocks
                     flush_mtp_rows(self.model, ready)
                 except Exception:  # noqa: BLE001 - the session's answer is complete; only its blocks are lost
                     log.exception("writing a finished session's MTP rows failed; its last blocks are not cached")
                 else:
+                    if self.policy is not None:  # the price of the MTP rows plain rounds deferred
+                        self.policy.observe_deferred(queued, time.perf_counter() - t3)
                     self._finish_pending(ready)
                     for s in ready:
                         self._write_tails(s, final=True)

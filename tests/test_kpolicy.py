@@ -375,3 +375,47 @@ def test_one_slow_round_does_not_keep_the_batch_off_its_best_width():
     plans = _feed(pol, ["good", "bad"], 300, lambda r, k: k if r == "good" else 0)
     assert sum(max(ks) == 1 for ks in plans[:40]) > 20  # T = 2 ran for a while (the old EMA kept it for good)
     assert plans[-1] == [0, 0] or plans[-2] == [0, 0]  # (one of two may be a probe round)
+
+
+def test_deferred_mtp_rows_are_priced_by_the_slope_of_their_flushes():
+    """A flush's fixed part is no row's: the price per deferred MTP row is the slope of flush time over rows (the
+    time over the rows while every flush had one size)."""
+    pol = _policy()
+    assert pol.deferred() == 0.0
+    pol.observe_deferred(4, 0.5 + 4 * 0.01)
+    assert pol.deferred() == pytest.approx(0.54 / 4)
+    pol.observe_deferred(100, 0.5 + 100 * 0.01)
+    pol.observe_deferred(10, 0.5 + 10 * 0.01)
+    assert pol.deferred() == pytest.approx(0.01)
+
+
+def test_plain_rounds_pay_for_the_mtp_rows_they_defer():
+    """The batch of `test_one_slow_round_...` is best plain on its forwards alone (2 tokens / 1.0 s against 3 / 1.6
+    at T = 2), but each plain round leaves both rows' MTP rows for a later head forward, while at T = 2 only the bad
+    row's (it neither drafts nor rides): at 0.1 s a row, T = 2 (3 / 1.7) beats T = 1 (2 / 1.2)."""
+    cost = lambda t: 1.0 + 0.6 * (t - 1)  # noqa: E731
+    plain = _feed(_policy(cost=cost), ["good", "bad"], 100, lambda r, k: k if r == "good" else 0)
+    assert sum(max(ks) == 0 for ks in plain[-30:]) >= 28  # (one may be a probe round)
+    pol = _policy(cost=cost)
+    pol.observe_deferred(20, 2.0)
+    plans = _feed(pol, ["good", "bad"], 100, lambda r, k: k if r == "good" else 0)
+    assert sum(max(ks) == 1 for ks in plans[-30:]) >= 28
+
+
+def test_a_finished_rows_deferred_mtp_rows_are_timed(model):
+    """With the prefix cache on, a finished row's queued MTP rows are written in one head forward: its rows and
+    time reach the controller (`observe_deferred`); a row that ran plain throughout queued all of its tokens'."""
+    costs = {(b, t): 1.0 + 100.0 * (t > 1) for b in (1, 2, 4) for t in range(1, K + 2)}  # drafting looks ruinous
+    sched = Scheduler(model, max_num_seqs=2, max_model_len=128, k=K, max_num_batched_tokens=64,
+                      spec_policy=KPolicySpec(K), spec_costs=costs, prefix_cache_bytes=1 << 24)
+    assert sched.policy is not None
+    got: list[tuple[int, float]] = []
+    observe = sched.policy.observe_deferred
+    sched.policy.observe_deferred = lambda n, sec: (got.append((n, sec)), observe(n, sec))  # type: ignore
+    s = SpecSession(model, _prompts(model.config.vocab_size)[0], 24, k=K, pool=sched.pool)
+    sched.add(s)
+    while sched.num_sessions:
+        sched.step()
+    assert s.telem.k_sum == 0  # plain throughout
+    assert len(got) == 1 and got[0][0] >= 20 and got[0][1] > 0.0
+    assert sched.policy.deferred() == pytest.approx(got[0][1] / got[0][0])

@@ -8,7 +8,8 @@ Closed batches (default): each configuration runs `--batches` batches of the wor
 first a warm-up); the figure is the median batch's tokens/s, which its slowest row sets. `--seconds S`: steady state,
 each finished request replaced at once by its client's next, the tokens of S seconds of the configuration's own
 time (after a 2 s warm-up). Workloads as bench/adaptive.py's (`demo`: chat prompts; `mixed`: half chat, half random
-ids; `random`: random ids). Ratios against the best fixed K of the same run.
+ids; `random`: random ids; `--model` another checkpoint, e.g. bench/adaptive.py's random weights for zero acceptance).
+`--prefix-cache`: the prefix cache on, as `nextn serve` has it. Ratios against the best fixed K of the same run.
 
     .venv/bin/python bench/lockstep.py --workload mixed --clients 8 --batches 16
     .venv/bin/python bench/lockstep.py --workload mixed --clients 8 --seconds 40
@@ -68,18 +69,20 @@ def main() -> int:
     ap.add_argument("--kmax", type=int, default=3, help="the controller's K_max (nextn serve's default K)")
     ap.add_argument("--batches", type=int, default=16, help="closed batches per configuration (the first: warm-up)")
     ap.add_argument("--seconds", type=float, default=0.0, help="steady state: seconds of each configuration's time")
+    ap.add_argument("--model", default=str(DEMO), help="checkpoint (the demo; bench/adaptive.py's random-weight ones)")
+    ap.add_argument("--prefix-cache", action="store_true", help="the prefix cache at the server's default budget")
     args = ap.parse_args()
     torch.set_num_threads(1)  # as `bench/adaptive.py`'s servers (--cpu-threads 1)
     clocks = _OwnClocks()
     scheduler_module.time = clocks  # type: ignore[assignment]
-    model = load_model(DEMO)
+    model = load_model(args.model)
     ps = prompts({"demo": "chat"}.get(args.workload, args.workload), args.clients, model.config.vocab_size)
     cfgs = {"controller": (args.kmax, True), **{f"K={k}": (k, False) for k in map(int, args.ks.split(","))}}
     sched: dict[str, Scheduler] = {}
     for n, (k, adaptive) in cfgs.items():
         clocks.enter(n)
         sched[n] = Scheduler(model, max_num_seqs=args.clients, max_model_len=1024, k=k, max_num_batched_tokens=512,
-                             spec_policy=KPolicySpec(k, adaptive))
+                             prefix_cache_bytes=None if args.prefix_cache else 0, spec_policy=KPolicySpec(k, adaptive))
         clocks.leave()
     prompt_of: dict[SpecSession, list[int]] = {}
 

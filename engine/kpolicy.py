@@ -14,10 +14,10 @@
     that (by `STALE` for every round of its bucket at another width), so one slow measurement cannot keep a width
     unchosen, and so unmeasured again, for good;
   * the price of a deferred MTP row: a row outside the round's draft forwards (every row at T = 1; a row that
-    neither drafts nor rides them otherwise) queues its MTP rows, written later in one head forward (its next
-    drafting round, or its finish: `observe_deferred`, the seconds per row of those flushes). A round's cost is
-    c(B, T) plus that price for each row it defers: without it plain rounds look as cheap as their forwards, and a
-    batch that drafts well on half its rows ran plain, paying its MTP rows at the finish, unseen.
+    neither drafts nor rides them otherwise) queues its MTP rows, written later in one head forward: in its next
+    drafting round, or (prefix cache) when it finishes, timed apart from any round (`observe_deferred`: the price
+    per row is the slope of those flushes' time over their rows). A round's cost is c(B, T) plus that price for
+    each row it defers: without it a plain round looked as cheap as its forwards alone.
 A row expects E(k) = 1 + sum_{j<k} prod_{i<=j} a_i tokens from k drafts; its useful depth d is the number of
 drafts it reaches with a chance of at least `USEFUL` (E(j+1) - E(j) >= USEFUL). The batch's T maximises
 sum_r E_r(min(d_r, T-1)) / c(B, T), rows drafting min(d_r, T-1): the verify pads every row to T, so a row whose

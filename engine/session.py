@@ -612,7 +612,7 @@ class SessionState:
         self._mtp_parts = [] if hidden is None else [hidden]
 
     def _queue_mtp_rows(self, tokens: list[int], hidden: torch.Tensor) -> None:
-        self._mtp_tokens = self._mtp_tokens + tokens
+        self._mtp_tokens += tokens  # in place: a plain row queues one a round, for as long as it runs
         self._mtp_parts.append(hidden)
 
     def _flush_mtp(self, n: int | None = None) -> None:

@@ -287,6 +287,14 @@ class KPolicy:
             self._pooled = None
         self._probe_hits += n_acc if self._probing else 0
 
+    def observe_round(self, outcomes: list[tuple[Hashable, int, int]]) -> None:
+        """`observe(row, drafted, n_acc)` for each outcome of a round, in order; a row it knows that drafted nothing
+        has nothing to teach it (a plain round's rows: every round of a quiet spell) and is passed over."""
+        known = self.rows
+        for r, d, a in outcomes:
+            if d or r not in known:
+                self.observe(r, d, a)
+
     def seconds(self, B: int, T: int) -> float:
         """Estimated seconds of a round of bucket B at width T: the profile + the bucket's overhead, moved to the
         width's measured EMA, fully when that width ran the bucket's last measured round, then less by `STALE` for

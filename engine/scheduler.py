@@ -273,9 +273,8 @@ class Scheduler:
         pol = self.policy
         if pol is None or not pol.spec.adaptive or not pol.cost:
             return
-        for s, (d0, a0) in zip(rows, before):
-            if s.error is None and s.k_next is not None:
-                pol.observe(s, s.telem.drafted - d0, s.telem.accepted - a0)
+        pol.observe_round([(s, s.telem.drafted - d0, s.telem.accepted - a0) for s, (d0, a0) in zip(rows, before)
+                           if s.error is None and s.k_next is not None])
         self._open = (rows, T, start, seconds, 0.0)
 
     def _aside(self, since: float) -> None:

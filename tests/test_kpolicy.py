@@ -419,3 +419,35 @@ def test_a_finished_rows_deferred_mtp_rows_are_timed(model):
     assert s.telem.k_sum == 0  # plain throughout
     assert len(got) == 1 and got[0][0] >= 20 and got[0][1] > 0.0
     assert sched.policy.deferred() == pytest.approx(got[0][1] / got[0][0])
+
+
+def test_observe_round_is_observe_for_each_row():
+    """A round's outcomes in one call learn exactly what `observe` row by row learns (rows that drafted nothing, known
+    or new, a quiet spell's included): the same plans and the same estimates."""
+    rng = random.Random(5)
+    a, b = _policy(), _policy()
+    rows = ["r0", "r1", "r2", "r3"]
+    acc = {"r0": 0.95, "r1": 0.0, "r2": 0.5, "r3": 0.0}
+    for i in range(300):
+        if i % 50 == 49:  # a row leaves, a new one joins
+            gone = rows.pop(0)
+            a.forget(gone)
+            b.forget(gone)
+            rows.append(f"n{i}")
+            acc[rows[-1]] = rng.random()
+        ks = a.plan(rows)
+        assert b.plan(rows) == ks
+        out = []
+        for r, k in zip(rows, ks):
+            n = 0
+            while n < k and rng.random() < acc[r]:
+                n += 1
+            out.append((r, k, n))
+        for r, k, n in out:
+            a.observe(r, k, n)
+        b.observe_round(out)
+        for p in (a, b):
+            p.observe_time(len(rows), max(ks) + 1, p.cost[(p.bucket(len(rows)), max(ks) + 1)])
+    assert a.rows.keys() == b.rows.keys()
+    assert all(a.accept(r) == b.accept(r) for r in rows)
+    assert a.pooled() == b.pooled()

@@ -102,26 +102,46 @@ class _Est:
     hit: list[float]
     n: list[float]
 
-    def add(self, drafted: int, n_acc: int) -> None:
+    def add(self, drafted: int, n_acc: int, f: float = 1.0) -> None:
+        """One round's outcome, the counts first multiplied by f."""
+        hit, n = self.hit, self.n
+        if f != 1.0:
+            for j in range(len(n)):
+                hit[j] *= f
+                n[j] *= f
         for j in range(min(drafted, n_acc + 1)):  # position j was tried iff drafts 0..j-1 were accepted
-            self.hit[j] += 1.0 if j < n_acc else 0.0
-            self.n[j] += 1.0
+            if j < n_acc:
+                hit[j] += 1.0
+            n[j] += 1.0
 
     def decay(self, f: float) -> None:
         self.hit, self.n = [h * f for h in self.hit], [n * f for n in self.n]
 
-    def estimate(self, pa: list[float], f: float = 1.0, keep: bool = False) -> list[float]:
-        """The conditional acceptance per position from these counts times f (kept as the counts: keep), each blended
-        with the pooled `pa`."""
+    def estimate(self, pa: list[float], f: float = 1.0) -> list[float]:
+        """The conditional acceptance per position from these counts times f, each blended with the pooled `pa`."""
         hit, n, out, prev = self.hit, self.n, [], -1.0
         for j, pj in enumerate(pa):
             h, m = hit[j] * f, n[j] * f
-            if keep:
-                hit[j], n[j] = h, m
             # a position the row never reached: its own position j-1's estimate
             prev = prev if m < 0.5 and j else (h + PRIOR_WEIGHT * pj) / (m + PRIOR_WEIGHT)
             out.append(prev)
         return out
+
+    def round_curve(self, pa: list[float], cap: int) -> tuple[list[float], int]:
+        """The round's decay (DECAY), kept; then `KPolicy.curve` of the estimate (`estimate(pa)`) to cap, bit for bit,
+        in one pass."""
+        hit, n = self.hit, self.n
+        out, prev, e, p, d = [1.0], -1.0, 1.0, 1.0, 0
+        for j, pj in enumerate(pa):
+            h = hit[j] = hit[j] * DECAY
+            m = n[j] = n[j] * DECAY
+            if j < cap:
+                prev = prev if m < 0.5 and j else (h + PRIOR_WEIGHT * pj) / (m + PRIOR_WEIGHT)
+                p *= prev
+                e += p
+                out.append(e)
+                d += p >= USEFUL
+        return out, d
 
 
 @dataclass
@@ -226,10 +246,11 @@ class KPolicy:
         curves: list[list[float]] = []
         deep: list[int] = []
         new = None  # the curve of a row without an estimate yet (the pooled one)
+        known = self.rows
         for r in rows:
-            e = self.rows.get(r)
+            e = known.get(r)
             if e is not None:
-                curve, d = self.curve(e.estimate(pa, DECAY, keep=True), cap)  # this round's decay, kept
+                curve, d = e.round_curve(pa, cap)  # this round's decay, kept
             else:
                 curve, d = new = new or self.curve(pa, cap)
             curves.append(curve)
@@ -243,9 +264,9 @@ class KPolicy:
             if m:  # a plain round defers every row's MTP row; a wider one, those of rows that neither draft nor ride
                 lazy = sum(1 for d, w in zip(deep, wide) if not d and not w)
                 c = [x + m * (n if T == 1 else lazy) for T, x in enumerate(c, 1)]
-            tot = [0.0] * (cap + 1)  # tot[T-1] = sum_r E_r(min(d_r, T - 1)) (free rows: E_r(T - 1)): tokens at T
-            for curve, d, w in zip(curves, deep, wide):
-                tot = [x + y for x, y in zip(tot, curve if w else curve[:d + 1] + [curve[d]] * (cap - d))]
+            # tot[T-1] = sum_r E_r(min(d_r, T - 1)) (free rows: E_r(T - 1)): tokens at T
+            tot = [sum(col) for col in zip(*(curve if w or d == cap else curve[:d + 1] + [curve[d]] * (cap - d)
+                                             for curve, d, w in zip(curves, deep, wide)))]
             rate, T = -1.0, 1
             for t in range(1, cap + 2):
                 r = tot[t - 1] / c[t - 1]
@@ -275,17 +296,17 @@ class KPolicy:
 
     def observe(self, row: Hashable, drafted: int, n_acc: int) -> None:
         """A round's outcome for `row`: `drafted` drafts verified (after cuts), n_acc accepted."""
-        K = self.spec.k_max
         e = self.rows.get(row)
         if e is None:
+            K = self.spec.k_max
             e = self.rows[row] = _Est([0.0] * K, [0.0] * K)
         e.add(drafted, n_acc)
-        assert self.pool is not None
         if drafted:
-            self.pool.decay(POOL_DECAY)
-            self.pool.add(drafted, n_acc)
+            assert self.pool is not None
+            self.pool.add(drafted, n_acc, POOL_DECAY)
             self._pooled = None
-        self._probe_hits += n_acc if self._probing else 0
+        if self._probing:
+            self._probe_hits += n_acc
 
     def observe_round(self, outcomes: list[tuple[Hashable, int, int]]) -> None:
         """`observe(row, drafted, n_acc)` for each outcome of a round, in order; a row it knows that drafted nothing

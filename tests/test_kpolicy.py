@@ -451,3 +451,21 @@ def test_observe_round_is_observe_for_each_row():
     assert a.rows.keys() == b.rows.keys()
     assert all(a.accept(r) == b.accept(r) for r in rows)
     assert a.pooled() == b.pooled()
+
+
+def test_a_rows_round_curve_is_its_decayed_estimates_curve():
+    """`plan`'s one-pass `_Est.round_curve` keeps the round's decay in the counts and returns, bit for bit, the curve
+    and useful depth of the estimate from the decayed counts (positions never reached, a cap below K included)."""
+    from engine.kpolicy import DECAY, _Est
+
+    rng = random.Random(7)
+    for _ in range(200):
+        n = [rng.choice((0.0, 0.3, rng.uniform(0, 9))) for _ in range(K)]
+        hit = [x * rng.random() for x in n]
+        pa = [rng.random() for _ in range(K)]
+        cap = rng.randint(1, K)
+        a, b = _Est(list(hit), list(n)), _Est(list(hit), list(n))
+        got = a.round_curve(pa, cap)
+        b.decay(DECAY)
+        assert got == KPolicy.curve(b.estimate(pa), cap)
+        assert (a.hit, a.n) == (b.hit, b.n)

@@ -18,16 +18,21 @@
     drafting round, or (prefix cache) when it finishes, timed apart from any round (`observe_deferred`: the price
     per row is the slope of those flushes' time over their rows). A round's cost is c(B, T) plus that price for
     each row it defers: without it a plain round looked as cheap as its forwards alone.
-A row expects E(k) = 1 + sum_{j<k} prod_{i<=j} a_i tokens from k drafts; its useful depth d is the number of
-drafts it reaches with a chance of at least `USEFUL` (E(j+1) - E(j) >= USEFUL). The batch's T maximises
-sum_r E_r(min(d_r, T-1)) / c(B, T), rows drafting min(d_r, T-1): the verify pads every row to T, so a row whose
-drafts alone would not pay for a wider verify still drafts when another row's widened it; a free row (greedy: its
-drafts cost nothing once the round drafts, see `plan`) counts E_r(T-1) and drafts T - 1. Rows at
-k = 0 are probed at k = 1 on probe rounds (every `PROBE_EVERY` rounds, doubling up to `PROBE_MAX` while probes
-fail), and rows at 0 < k < cap probe k + 1 then: their estimates can recover and deepen. Between probes, a batch in
-which neither a row nor the pooled estimate reaches a first draft with a chance >= USEFUL stays plain, planned in O(1)
-(a quiet spell: the rows' decay applied when it ends) until its rows change. Exactness never depends
-on any of this: spec == plain for every k of every row in every round.
+A row expects E(k) = 1 + sum_{j<k} prod_{i<=j} a_i tokens from k drafts; its useful depth d is the number of drafts
+it reaches with a chance of at least `USEFUL` (E(j+1) - E(j) >= USEFUL). The batch's T maximises sum_r E_r(min(d_r,
+T-1)) / c(B, T), rows drafting min(d_r, T-1): the verify pads every row to T, so a row whose drafts alone would not
+pay for a wider verify still drafts when another row's widened it; a free row (greedy: its drafts cost nothing once
+the round drafts, see `plan`) counts E_r(T-1) and drafts T - 1. That rate is the batch's throughput when a finished
+row is replaced at once (steady load); a batch that runs down (closed batches, a burst's end) lasts as long as its
+slowest rows' budgets, and a width that speeds the fast rows at their expense only empties it sooner: with the rows'
+budgets, each width's rate is blended with its drain rate (the rows' remaining tokens over the time to finish them
+all at that width, `_drain`) by the chance that a finished row is replaced while the batch runs (`refill`, learnt
+from the rows' comings and goings, `observe_flow`). Rows at k = 0 are probed at k = 1 on probe rounds (every
+`PROBE_EVERY` rounds, doubling up to `PROBE_MAX` while probes fail), and rows at 0 < k < cap probe k + 1 then: their
+estimates can recover and deepen. Between probes, a batch in which neither a row nor the pooled estimate reaches a
+first draft with a chance >= USEFUL stays plain, planned in O(1) (a quiet spell: the rows' decay applied when it
+ends) until its rows change. Exactness never depends on any of this: spec == plain for every k of every row in every
+round.
 """
 from __future__ import annotations
 
@@ -60,6 +65,8 @@ MARGIN = 1e-3
 USEFUL = 0.1
 #: Decay of the sums over measured flushes of deferred MTP rows (their price's line), per flush.
 DEFER_DECAY = 0.9
+#: Decay of the refill counts (finished rows replaced while the batch ran, or not), per finished row.
+REFILL_DECAY = 0.9
 
 
 @dataclass(frozen=True)
@@ -169,6 +176,8 @@ class KPolicy:
     _quiet: list[Hashable] | None = None  # the rows of a quiet spell (every round plain, no row can draft)
     _lag: int = 0  # its rounds so far after the first (each owes its rows one DECAY)
     _defer: tuple[float, ...] = (0.0,) * 5  # decayed sums over measured flushes: 1, rows, s, rows^2, rows * s
+    _refill: tuple[float, float] = (0.0, 0.0)  # decayed (replaced, finished) counts of finished rows
+    _owed: int = 0  # rows that finished while others ran, not replaced yet
 
     def __post_init__(self) -> None:
         K = self.spec.k_max
@@ -222,11 +231,12 @@ class KPolicy:
             d += p >= USEFUL
         return out, d
 
-    def plan(self, rows: list[Hashable], free: list[bool] | None = None) -> list[int]:
+    def plan(self, rows: list[Hashable], free: list[bool] | None = None, left: list[int] | None = None) -> list[int]:
         """Each row's k for the next round (a round over `rows`, in order; none: []). `free[i]`: row i's drafts cost
         nothing once the round drafts at all (a greedy row, `engine.draft.rides`: it stays in the round's draft
         forwards to their end whatever its k, and a row that does not draft still writes its MTP rows later), so it
-        drafts T - 1, and a round that drafts nothing (T = 1) runs it plain."""
+        drafts T - 1, and a round that drafts nothing (T = 1) runs it plain. `left[i]`: the most tokens row i may
+        still emit (its budget): with it, a width's rate is blended with the batch's drain rate by `refill()`."""
         if not rows:
             return []
         self.rounds += 1
@@ -267,9 +277,14 @@ class KPolicy:
             # tot[T-1] = sum_r E_r(min(d_r, T - 1)) (free rows: E_r(T - 1)): tokens at T
             tot = [sum(col) for col in zip(*(curve if w or d == cap else curve[:d + 1] + [curve[d]] * (cap - d)
                                              for curve, d, w in zip(curves, deep, wide)))]
+            p = self.refill() if left is not None else 1.0
+            p = 1.0 if p > 0.99 else p  # a drain weight under 1%: not worth its work
             rate, T = -1.0, 1
             for t in range(1, cap + 2):
                 r = tot[t - 1] / c[t - 1]
+                if p < 1.0:  # the batch may run down rather than be refilled: its rows' drain rate at t too
+                    assert left is not None
+                    r = p * r + (1 - p) * self._drain(curves, deep, wide, left, t, c[t - 1])
                 if r > rate * (1 + MARGIN):
                     rate, T = r, t
             ks = [T - 1 if w else min(d, T - 1) for d, w in zip(deep, wide)]
@@ -357,6 +372,48 @@ class KPolicy:
         var = w * nn - n * n
         slope = (w * ns - n * s) / var if var > 1e-9 * w * nn else s / n
         return min(max(slope, 0.0), s / n)
+
+    def _drain(self, curves: list[list[float]], deep: list[int], wide: list[bool], left: list[int], T: int,
+               c: float) -> float:
+        """Tokens per second of the rows' remaining budgets if every row ran to its end at width T and no row joined:
+        row i ends after left[i] / E_i rounds (E_i: its tokens a round at T), the batch shrinking as rows end, each
+        stretch costing its smaller bucket's round (scaled as this round's c, the deferred MTP rows' price in it)."""
+        n = len(left)
+        ends = sorted(m / cv[T - 1 if w else min(d, T - 1)] for cv, d, w, m in zip(curves, deep, wide, left))
+        at: dict[int, float] = {}  # a bucket's round at T
+        secs, prev = 0.0, 0.0
+        for j, e in enumerate(ends):  # rows j.. still run from round prev to round e
+            b = self.bucket(n - j)
+            x = at.get(b)
+            if x is None:
+                x = at[b] = self.seconds(b, T)
+            secs, prev = secs + (e - prev) * x, e
+        return sum(left) / (secs * c / at[self.bucket(n)])
+
+    def refill(self) -> float:
+        """The chance that a row which finishes while others run is replaced before the batch empties (decayed over
+        finished rows, 1 before any): a batch that is refilled earns its round's rate (`plan`'s objective); one
+        that runs down (a closed batch, the end of a burst) earns its rows' drain rate, set by its slowest rows
+        (a width that speeds the fast rows at the slow ones' expense only empties the batch sooner)."""
+        got, n = self._refill
+        return (got + PRIOR_WEIGHT) / (n + PRIOR_WEIGHT)
+
+    def observe_flow(self, joined: int, finished: int, running: int) -> None:
+        """A step's rows: `joined` entered a batch that had rows running (a join into an empty batch replaces
+        nobody), then `finished` left it, `running` rows left running. A finished row is replaced by a later join
+        while the batch runs, or counts as not replaced when the batch empties first."""
+        got, n = self._refill
+        if joined:
+            r, self._owed = min(joined, self._owed), self._owed - min(joined, self._owed)
+            for _ in range(r):
+                got, n = REFILL_DECAY * got + 1.0, REFILL_DECAY * n + 1.0
+        if finished and running:
+            self._owed += finished
+        elif finished:
+            for _ in range(self._owed):
+                got, n = REFILL_DECAY * got, REFILL_DECAY * n + 1.0
+            self._owed = 0
+        self._refill = (got, n)
 
     def forget(self, row: Hashable) -> None:
         """`row` left: drop its estimate (and end a quiet spell it was in: the spell's rows are not kept)."""

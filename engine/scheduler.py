@@ -260,7 +260,8 @@ class Scheduler:
         pol = self.policy
         rows = [s for s in self.running if s.sampling.greedy or s.sampling.seed is None]
         if rows and pol is not None and (pol.cost or not pol.spec.adaptive):
-            for s, k in zip(rows, pol.plan(rows, [self._free.get(s, False) for s in rows])):
+            left = [max(1, s.max_new_tokens - len(s.emitted)) for s in rows]
+            for s, k in zip(rows, pol.plan(rows, [self._free.get(s, False) for s in rows], left)):
                 s.k_next = k
         return max((s.k_round() for s in self.running), default=0) + 1
 
@@ -336,6 +337,8 @@ class Scheduler:
         """A new session (built on this scheduler's pool) joins: it resumes from the longest cached prefix of its
         prompt, and the rest prefills in grid blocks from the next step."""
         assert sess.pool is self.pool, "sessions must be built with pool=scheduler.pool"
+        if self.policy is not None:
+            self.policy.observe_flow(1 if self.num_sessions else 0, 0, self.num_sessions)
         if self.cache is not None and sess.cache.length == 0:
             self._pkeys[sess] = block_keys(sess.prompt_ids, len(sess.prompt_ids) // PREFILL_GRID, self.cache.root,
                                            images=sess.image_keys)
@@ -354,10 +357,13 @@ class Scheduler:
         if self.policy is not None:
             self.policy.forget(sess)
         self._free.pop(sess, None)
+        was = sess in self.running or sess in self.joining
         if sess in self.running:
             self.running.remove(sess)
         elif sess in self.joining:
             self.joining.remove(sess)
+        if was and self.policy is not None:  # a row that leaves early leaves as a finished one
+            self.policy.observe_flow(0, 1, self.num_sessions)
         self._drop_writes(sess)
         self._readers.discard(sess)
         self._pkeys.pop(sess, None)
@@ -865,6 +871,8 @@ class Scheduler:
             self._drop_writes(s)
             s.close()
             res.finished.append(s)
+        if done and self.policy is not None:
+            self.policy.observe_flow(0, len(done), self.num_sessions)
         if done:
             self._aside(t2)
         return res

@@ -128,7 +128,8 @@ def test_controller_on_equals_plain_greedy(model):
     seeded = SpecSession(model, ps[3], 30, k=K, pool=sched.pool, sampling=sampled)
     assert sched.policy is not None
     plans, plan = [], sched.policy.plan
-    sched.policy.plan = lambda rows, free=None: plans.append((free, plan(rows, free))) or plans[-1][1]  # type: ignore
+    sched.policy.plan = lambda rows, free=None, left=None: (  # type: ignore
+        plans.append((free, plan(rows, free, left))) or plans[-1][1])
     _drive(sched, rows + [seeded])
     assert [r.emitted for r in rows] == plain and seeded.emitted == alone and seeded.k_next is None
     # the greedy rows are free (the seeded row is not planned): every round, each drafts the round's T - 1
@@ -469,3 +470,69 @@ def test_a_rows_round_curve_is_its_decayed_estimates_curve():
         b.decay(DECAY)
         assert got == KPolicy.curve(b.estimate(pa), cap)
         assert (a.hit, a.n) == (b.hit, b.n)
+
+
+def test_refill_counts_finished_rows_replaced_while_the_batch_ran():
+    """`refill()`: 1 before any finish; a closed batch (rows finish, nobody joins until it empties) pulls it toward 0,
+    a join into an empty batch replacing nobody; joins while the batch runs (steady load) pull it back toward 1."""
+    pol = _policy()
+    assert pol.refill() == 1.0
+    for _ in range(3):  # closed batches of 8: 8 join (the first into an empty batch), 3 + 4 leave early, 1 last
+        for i in range(8):
+            pol.observe_flow(1 if i else 0, 0, i)
+        pol.observe_flow(0, 3, 5)
+        pol.observe_flow(0, 4, 1)
+        pol.observe_flow(0, 1, 0)
+    closed = pol.refill()
+    assert closed < 0.15
+    for _ in range(40):  # steady: each finished row replaced a step later
+        pol.observe_flow(0, 1, 7)
+        pol.observe_flow(1, 0, 7)
+    assert pol.refill() > 0.95 and pol.refill() > closed
+
+
+def test_a_batch_that_runs_down_is_planned_for_its_slowest_rows():
+    """Four rows accept every draft, four none (free riders, as greedy rows are); smaller batches cost less. Refilled
+    (steady load), the batch's best rate is the deepest width (the good rows' tokens); running down (closed batches:
+    nobody replaces a finished row), the batch lasts as long as the bad rows' budgets whatever the width, and a wide
+    round only makes those rounds dearer: it runs narrow. Without budgets (`left`), the rate alone."""
+    import copy
+
+    cost = {(b, t): (0.4 + 0.6 * b / 8) * (1 + 0.25 * (t - 1)) for b in (1, 2, 4, 8) for t in range(1, 5)}
+    pol = KPolicy(KPolicySpec(3), cost, [1, 2, 4, 8])
+    rows, free = [f"g{i}" for i in range(4)] + [f"b{i}" for i in range(4)], [True] * 8
+    for _ in range(40):
+        ks = pol.plan(rows, free)
+        for r, k in zip(rows, ks):
+            pol.observe(r, k, k if r[0] == "g" else 0)
+    steady, closed = copy.deepcopy(pol), copy.deepcopy(pol)
+    for _ in range(20):
+        steady.observe_flow(0, 1, 7)
+        steady.observe_flow(1, 0, 7)
+        closed.observe_flow(0, 4, 4)
+        closed.observe_flow(0, 4, 0)
+    left = [100] * 8
+    assert max(copy.deepcopy(steady).plan(rows, free, left)) == 3
+    assert max(copy.deepcopy(pol).plan(rows, free)) == 3
+    assert max(copy.deepcopy(closed).plan(rows, free)) == 3  # no budgets: the rate alone
+    assert max(copy.deepcopy(closed).plan(rows, free, left)) == 0
+    # the good rows nearly done, the bad ones too: the drain no longer favours narrow rounds over the good rows' speed
+    assert max(copy.deepcopy(closed).plan(rows, free, [40] * 4 + [1] * 4)) == 3
+
+
+def test_the_scheduler_reports_rows_finishing_and_joining(model):
+    """A short and a long request together: the short one finishes while the long one runs and nobody replaces it
+    (refill drops); then, beside a long request, short ones each replaced by the next before the step after (refill
+    recovers; the last one not yet counted)."""
+    sched = Scheduler(model, max_num_seqs=4, max_model_len=256, k=K, max_num_batched_tokens=256,
+                      spec_policy=KPolicySpec(K), spec_costs={})
+    ps = _prompts(model.config.vocab_size)
+    _drive(sched, [SpecSession(model, ps[0], 4, k=K, pool=sched.pool),
+                   SpecSession(model, ps[1], 24, k=K, pool=sched.pool)])
+    assert sched.policy is not None and sched.policy.refill() == pytest.approx(0.5)
+    sched.add(SpecSession(model, ps[1], 40, k=K, pool=sched.pool))
+    for _ in range(3):
+        sched.add(s := SpecSession(model, ps[0], 4, k=K, pool=sched.pool))
+        while s in sched.running or s in sched.joining:
+            sched.step()
+    assert sched.policy.refill() == pytest.approx((1 + 0.9 + 1) / (1 + 0.9 + 0.81 + 1))  # a miss, two hits

@@ -399,9 +399,9 @@ class KPolicy:
         return (got + PRIOR_WEIGHT) / (n + PRIOR_WEIGHT)
 
     def observe_flow(self, joined: int, finished: int, running: int) -> None:
-        """A step's rows: `joined` entered a batch that had rows running (a join into an empty batch replaces
-        nobody), then `finished` left it, `running` rows left running. A finished row is replaced by a later join
-        while the batch runs, or counts as not replaced when the batch empties first."""
+        """A step's rows: `joined` entered a batch that had rows (a join into an empty batch replaces nobody), then
+        `finished` left it, `running` rows left in it (running or prefilling). A finished row is replaced by a later
+        join while the batch has rows, or counts as not replaced when the batch empties first."""
         got, n = self._refill
         if joined:
             r, self._owed = min(joined, self._owed), self._owed - min(joined, self._owed)

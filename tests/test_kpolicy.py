@@ -516,7 +516,7 @@ def test_a_batch_that_runs_down_is_planned_for_its_slowest_rows():
     assert max(copy.deepcopy(pol).plan(rows, free)) == 3
     assert max(copy.deepcopy(closed).plan(rows, free)) == 3  # no budgets: the rate alone
     assert max(copy.deepcopy(closed).plan(rows, free, left)) == 0
-    # the good rows nearly done, the bad ones too: the drain no longer favours narrow rounds over the good rows' speed
+    # the bad rows nearly done: the good rows set the batch's end, and their speed is the drain's too
     assert max(copy.deepcopy(closed).plan(rows, free, [40] * 4 + [1] * 4)) == 3
 
 

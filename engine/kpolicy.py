@@ -111,18 +111,20 @@ class _Est:
 
     def add(self, drafted: int, n_acc: int, f: float = 1.0) -> None:
         """One round's outcome, the counts first multiplied by f."""
-        hit, n = self.hit, self.n
         if f != 1.0:
-            for j in range(len(n)):
-                hit[j] *= f
-                n[j] *= f
+            self.decay(f)
+        hit, n = self.hit, self.n
         for j in range(min(drafted, n_acc + 1)):  # position j was tried iff drafts 0..j-1 were accepted
             if j < n_acc:
                 hit[j] += 1.0
             n[j] += 1.0
 
     def decay(self, f: float) -> None:
-        self.hit, self.n = [h * f for h in self.hit], [n * f for n in self.n]
+        """The counts multiplied by f, in place."""
+        hit, n = self.hit, self.n
+        for j in range(len(n)):
+            hit[j] *= f
+            n[j] *= f
 
     def estimate(self, pa: list[float], f: float = 1.0) -> list[float]:
         """The conditional acceptance per position from these counts times f, each blended with the pooled `pa`."""

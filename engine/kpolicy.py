@@ -26,7 +26,7 @@ the round drafts, see `plan`) counts E_r(T-1) and drafts T - 1. That rate is the
 row is replaced at once (steady load); a batch that runs down (closed batches, a burst's end) lasts as long as its
 slowest rows' budgets, and a width that speeds the fast rows at their expense only empties it sooner: with the rows'
 budgets, each width's rate is blended with its drain rate (the rows' remaining tokens over the time to finish them
-all at that width, `_drain`) by the chance that a finished row is replaced while the batch runs (`refill`, learnt
+all at that width, `_drains`) by the chance that a finished row is replaced while the batch runs (`refill`, learnt
 from the rows' comings and goings, `observe_flow`). Rows at k = 0 are probed at k = 1 on probe rounds (every
 `PROBE_EVERY` rounds, doubling up to `PROBE_MAX` while probes fail), and rows at 0 < k < cap probe k + 1 then: their
 estimates can recover and deepen. Between probes, a batch in which neither a row nor the pooled estimate reaches a
@@ -180,6 +180,9 @@ class KPolicy:
     _defer: tuple[float, ...] = (0.0,) * 5  # decayed sums over measured flushes: 1, rows, s, rows^2, rows * s
     _refill: tuple[float, float] = (0.0, 0.0)  # decayed (replaced, finished) counts of finished rows
     _owed: int = 0  # rows that finished while others ran, not replaced yet
+    _secs: dict[int, list[float]] = field(default_factory=dict)  # bucket -> `seconds(B, T)` for T = 1..k_max + 1
+    _secs_of: dict | None = None  # the cost table `_secs` was computed from
+    _down: dict[int, list[int]] = field(default_factory=dict)  # n -> [bucket(n - j) for j in range(n)]
 
     def __post_init__(self) -> None:
         K = self.spec.k_max
@@ -270,23 +273,23 @@ class KPolicy:
         ks = deep  # no row has a useful draft: whatever T wins, every row drafts min(0, T - 1) = 0
         wide = [bool(free and free[i]) for i in range(n)]  # rows that draft T - 1
         if any(deep):
-            B = self.bucket(n)
-            c = [self.seconds(B, T) for T in range(1, cap + 2)]  # c[T-1]
+            c = self.costs(self.bucket(n))[:cap + 1]  # c[T-1]
             m = self.deferred()
             if m:  # a plain round defers every row's MTP row; a wider one, those of rows that neither draft nor ride
                 lazy = sum(1 for d, w in zip(deep, wide) if not d and not w)
                 c = [x + m * (n if T == 1 else lazy) for T, x in enumerate(c, 1)]
-            # tot[T-1] = sum_r E_r(min(d_r, T - 1)) (free rows: E_r(T - 1)): tokens at T
-            tot = [sum(col) for col in zip(*(curve if w or d == cap else curve[:d + 1] + [curve[d]] * (cap - d)
-                                             for curve, d, w in zip(curves, deep, wide)))]
+            # cols[T-1][i] = E_i(min(d_i, T - 1)) (a free row: E_i(T - 1)): row i's tokens at T
+            cols = list(zip(*(curve if w or d == cap else curve[:d + 1] + [curve[d]] * (cap - d)
+                              for curve, d, w in zip(curves, deep, wide))))
             p = self.refill() if left is not None else 1.0
             p = 1.0 if p > 0.99 else p  # a drain weight under 1%: not worth its work
+            # the batch may run down rather than be refilled: each width's drain rate too
+            drain = self._drains(cols, left, c) if p < 1.0 and left is not None else None
             rate, T = -1.0, 1
             for t in range(1, cap + 2):
-                r = tot[t - 1] / c[t - 1]
-                if p < 1.0:  # the batch may run down rather than be refilled: its rows' drain rate at t too
-                    assert left is not None
-                    r = p * r + (1 - p) * self._drain(curves, deep, wide, left, t, c[t - 1])
+                r = sum(cols[t - 1]) / c[t - 1]
+                if drain is not None:
+                    r = p * r + (1 - p) * drain[t - 1]
                 if r > rate * (1 + MARGIN):
                     rate, T = r, t
             ks = [T - 1 if w else min(d, T - 1) for d, w in zip(deep, wide)]
@@ -328,10 +331,21 @@ class KPolicy:
     def observe_round(self, outcomes: list[tuple[Hashable, int, int]]) -> None:
         """`observe(row, drafted, n_acc)` for each outcome of a round, in order; a row it knows that drafted nothing
         has nothing to teach it (a plain round's rows: every round of a quiet spell) and is passed over."""
-        known = self.rows
-        for r, d, a in outcomes:
-            if d or r not in known:
-                self.observe(r, d, a)
+        known, pool, hits, K = self.rows, self.pool, 0, self.spec.k_max
+        assert pool is not None
+        for r, d, a in outcomes:  # `observe`, inlined
+            e = known.get(r)
+            if e is None:
+                e = known[r] = _Est([0.0] * K, [0.0] * K)
+            elif not d:
+                continue
+            e.add(d, a)
+            if d:
+                pool.add(d, a, POOL_DECAY)
+                self._pooled = None
+            hits += a
+        if self._probing:
+            self._probe_hits += hits
 
     def seconds(self, B: int, T: int) -> float:
         """Estimated seconds of a round of bucket B at width T: the profile + the bucket's overhead, moved to the
@@ -351,6 +365,7 @@ class KPolicy:
             old = self.seconds(B, T) if (B, T) in self.seen else None
             seconds = seconds if old is None else min(seconds, SPIKE * old)
             old = seconds if old is None else old
+            self._secs.pop(B, None)
             self.seen[(B, T)] = old + COST_EMA * (seconds - old)
             self._at[(B, T)] = self._measured[B] = self._measured.get(B, 0) + 1
             d = seconds - self.cost[(B, T)]
@@ -375,22 +390,33 @@ class KPolicy:
         slope = (w * ns - n * s) / var if var > 1e-9 * w * nn else s / n
         return min(max(slope, 0.0), s / n)
 
-    def _drain(self, curves: list[list[float]], deep: list[int], wide: list[bool], left: list[int], T: int,
-               c: float) -> float:
-        """Tokens per second of the rows' remaining budgets if every row ran to its end at width T and no row joined:
-        row i ends after left[i] / E_i rounds (E_i: its tokens a round at T), the batch shrinking as rows end, each
-        stretch costing its smaller bucket's round (scaled as this round's c, the deferred MTP rows' price in it)."""
+    def _drains(self, cols: list[tuple[float, ...]], left: list[int], c: list[float]) -> list[float]:
+        """Each width's drain rate: tokens per second of the rows' remaining budgets if every row ran to its end at
+        width T and no row joined: row i ends after left[i] / cols[T-1][i] rounds (its tokens a round at T), the batch
+        shrinking as rows end, each stretch costing its smaller bucket's round (scaled as this round's c[T-1], the
+        deferred MTP rows' price in it)."""
         n = len(left)
-        ends = sorted(m / cv[T - 1 if w else min(d, T - 1)] for cv, d, w, m in zip(curves, deep, wide, left))
-        at: dict[int, float] = {}  # a bucket's round at T
-        secs, prev = 0.0, 0.0
-        for j, e in enumerate(ends):  # rows j.. still run from round prev to round e
-            b = self.bucket(n - j)
-            x = at.get(b)
-            if x is None:
-                x = at[b] = self.seconds(b, T)
-            secs, prev = secs + (e - prev) * x, e
-        return sum(left) / (secs * c / at[self.bucket(n)])
+        down = self._down.get(n)
+        if down is None:
+            down = self._down[n] = [self.bucket(n - j) for j in range(n)]
+        rows = [self.costs(b) for b in down]  # rows[j]: the cost row of the bucket rows j.. run in
+        tl, out = sum(left), []
+        for t, ct in enumerate(c):
+            secs, prev = 0.0, 0.0
+            for e, x in zip(sorted(m / e for m, e in zip(left, cols[t])), rows):  # rows j.. run from prev to e
+                secs, prev = secs + (e - prev) * x[t], e
+            out.append(tl / (secs * ct / rows[0][t]))
+        return out
+
+    def costs(self, B: int) -> list[float]:
+        """[`seconds(B, T)` for T = 1..k_max + 1], kept until the bucket's next measured round (or a new cost
+        table): no other bucket's round moves it."""
+        if self._secs_of is not self.cost:
+            self._secs, self._secs_of = {}, self.cost
+        row = self._secs.get(B)
+        if row is None:
+            row = self._secs[B] = [self.seconds(B, T) for T in range(1, self.spec.k_max + 2)]
+        return row
 
     def refill(self) -> float:
         """The chance that a row which finishes while others run is replaced before the batch empties (decayed over

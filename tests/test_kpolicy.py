@@ -472,6 +472,19 @@ def test_a_rows_round_curve_is_its_decayed_estimates_curve():
         assert (a.hit, a.n) == (b.hit, b.n)
 
 
+def test_cost_rows_follow_every_measured_round_and_a_new_table():
+    """`costs(B)`, the row `plan` and the drain read (kept between rounds), is `seconds(B, T)` for every T after any
+    sequence of measured rounds on any bucket, and after the cost table is replaced (a profile after graph capture)."""
+    pol = _policy()
+    rng = random.Random(3)
+    for i in range(300):
+        for b in (1, 2, 4, 8):
+            assert pol.costs(b) == [pol.seconds(b, t) for t in range(1, K + 2)]
+        pol.observe_time(rng.choice((1, 2, 3, 5, 8)), rng.randint(1, K + 1), rng.uniform(0.5, 2.0))
+        if i == 150:
+            pol.cost = {key: 2 * v for key, v in pol.cost.items()}
+
+
 def test_refill_counts_finished_rows_replaced_while_the_batch_ran():
     """`refill()`: 1 before any finish; a closed batch (rows finish, nobody joins until it empties) pulls it toward 0,
     a join into an empty batch replacing nobody; joins while the batch runs (steady load) pull it back toward 1."""

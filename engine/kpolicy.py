@@ -403,7 +403,7 @@ class KPolicy:
         tl, out = sum(left), []
         for t, ct in enumerate(c):
             secs, prev = 0.0, 0.0
-            for e, x in zip(sorted(m / e for m, e in zip(left, cols[t])), rows):  # rows j.. run from prev to e
+            for e, x in zip(sorted(m / tok for m, tok in zip(left, cols[t])), rows):  # rows j.. run from prev to e
                 secs, prev = secs + (e - prev) * x[t], e
             out.append(tl / (secs * ct / rows[0][t]))
         return out

@@ -1,10 +1,11 @@
-"""The speculation length controller against fixed K, through `nextn serve`: aggregate streaming tokens/s of 1 and
-8 greedy clients on servers at their defaults (the controller on) and with --no-spec-adaptive at fixed K in
---ks, interleaved round by round in one run (the box's load hits every server alike; the servers' order rotates every
-repeat, so none is always first), as ratios: of the medians, and paired (the median of each repeat's ratio, the
-servers a few seconds apart: a slow spell of the box cancels) with its 90% confidence interval. Two identical servers
-on the 2-vCPU box differ by up to ~5% (where each one's memory landed): `--instances N` splits the repeats into N
-blocks, each on freshly started servers, so that bias averages out too.
+"""The speculation length controller against fixed K, through `nextn serve`: aggregate streaming tokens/s of 1 and 8
+greedy clients on servers at their defaults (the controller on, the engine in its own process; on a CPU one torch
+thread, the default of a 2-core box) and with --no-spec-adaptive at fixed K in --ks, interleaved round by round in one
+run (the box's load hits every server alike; the servers' order rotates every repeat, so none is always first), as
+ratios: of the medians, and paired (the median of each repeat's ratio, the servers a few seconds apart: a slow spell of
+the box cancels) with its 90% confidence interval. Two identical servers on the 2-vCPU box differ by up to ~5% (where
+each one's memory landed): `--instances N` splits the repeats into N blocks, each on freshly started servers, so that
+bias averages out too.
 
 Workloads: `zero-demo` and `zero-0.8b`: random weights (zero acceptance) at the demo shape and at the Qwen3.5-0.8B
 shape (built once under ~/.cache/nextn/bench); `demo`: the demo model (models/demo) on chat prompts (high
@@ -92,7 +93,7 @@ def main() -> int:
     args = ap.parse_args()
     ks = [int(k) for k in args.ks.split(",")]
     kmax = max(3, max(ks))
-    extra = ["--cpu-threads", "1", "--no-engine-process"] if args.device == "cpu" else []
+    extra = ["--cpu-threads", "1"] if args.device == "cpu" else []  # 2 cores' default, on any box
     work = {"zero-demo": (demo_shape_random, "random", 2112), "zero-0.8b": (qwen08b_checkpoint, "random", 248000),
             "demo": (lambda: DEMO, "chat", 2112), "mixed": (lambda: DEMO, "mixed", 2112)}
     for name in args.workloads.split(","):

@@ -316,24 +316,15 @@ class KPolicy:
 
     def observe(self, row: Hashable, drafted: int, n_acc: int) -> None:
         """A round's outcome for `row`: `drafted` drafts verified (after cuts), n_acc accepted."""
-        e = self.rows.get(row)
-        if e is None:
-            K = self.spec.k_max
-            e = self.rows[row] = _Est([0.0] * K, [0.0] * K)
-        e.add(drafted, n_acc)
-        if drafted:
-            assert self.pool is not None
-            self.pool.add(drafted, n_acc, POOL_DECAY)
-            self._pooled = None
-        if self._probing:
-            self._probe_hits += n_acc
+        self.observe_round([(row, drafted, n_acc)])
 
     def observe_round(self, outcomes: list[tuple[Hashable, int, int]]) -> None:
-        """`observe(row, drafted, n_acc)` for each outcome of a round, in order; a row it knows that drafted nothing
-        has nothing to teach it (a plain round's rows: every round of a quiet spell) and is passed over."""
+        """`observe(row, drafted, n_acc)` for each outcome of a round, in order: the row's counts (a new row's created)
+        and, when it drafted, the pool's; a row it knows that drafted nothing has nothing to teach it (a plain round's
+        rows: every round of a quiet spell) and is passed over."""
         known, pool, hits, K = self.rows, self.pool, 0, self.spec.k_max
         assert pool is not None
-        for r, d, a in outcomes:  # `observe`, inlined
+        for r, d, a in outcomes:
             e = known.get(r)
             if e is None:
                 e = known[r] = _Est([0.0] * K, [0.0] * K)

@@ -244,15 +244,15 @@ class KPolicy:
         still emit (its budget): with it, a width's rate is blended with the batch's drain rate by `refill()`."""
         if not rows:
             return []
+        rest = self.resting(rows)
+        if rest is not None:
+            return rest
         self.rounds += 1
         n, cap = len(rows), self.spec.cap(len(rows))
         if not self.spec.adaptive or cap == 0:
             self.last_t = cap + 1
             return [cap] * n
         if self._quiet is not None:
-            if rows == self._quiet and self.rounds % self.probe_every:
-                self._lag, self._probing, self.last_t = self._lag + 1, False, 1
-                return [0] * n
             self._wake()
         pa = self.pooled()
         # curves[i][k]: row i's tokens from k drafts; deep[i]: its useful depth, the drafts it reaches with a chance
@@ -305,6 +305,15 @@ class KPolicy:
             self._quiet, self._lag = list(rows), 0
         return ks
 
+    def resting(self, rows: list[Hashable]) -> list[int] | None:
+        """`plan(rows)` of a round that continues a quiet spell (the same rows, not a probe round): [0] * n, in O(1)
+        (no `free` or `left` needed); None for any other round (call `plan`)."""
+        if self._quiet is None or rows != self._quiet or not (self.rounds + 1) % self.probe_every:
+            return None
+        self.rounds += 1
+        self._lag, self._probing, self.last_t = self._lag + 1, False, 1
+        return [0] * len(rows)
+
     def _wake(self) -> None:
         """Leave a quiet spell: the decay its rounds skipped, at once."""
         f = DECAY ** self._lag
@@ -337,6 +346,14 @@ class KPolicy:
             hits += a
         if self._probing:
             self._probe_hits += hits
+
+    def observe_plain(self, rows: list[Hashable]) -> None:
+        """`observe_round` of a round in which no row drafted (T = 1): only a row it has not met yet is news (its
+        estimate is created)."""
+        known, K = self.rows, self.spec.k_max
+        for r in rows:
+            if r not in known:
+                known[r] = _Est([0.0] * K, [0.0] * K)
 
     def seconds(self, B: int, T: int) -> float:
         """Estimated seconds of a round of bucket B at width T: the profile + the bucket's overhead, moved to the

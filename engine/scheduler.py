@@ -260,8 +260,11 @@ class Scheduler:
         pol = self.policy
         rows = [s for s in self.running if s.sampling.greedy or s.sampling.seed is None]
         if rows and pol is not None and (pol.cost or not pol.spec.adaptive):
-            left = [max(1, s.max_new_tokens - len(s.emitted)) for s in rows]
-            for s, k in zip(rows, pol.plan(rows, [self._free.get(s, False) for s in rows], left)):
+            ks = pol.resting(rows)  # a quiet spell's round: plain, planned in O(1)
+            if ks is None:
+                left = [max(1, s.max_new_tokens - len(s.emitted)) for s in rows]
+                ks = pol.plan(rows, [self._free.get(s, False) for s in rows], left)
+            for s, k in zip(rows, ks):
                 s.k_next = k
         return max((s.k_round() for s in self.running), default=0) + 1
 
@@ -269,13 +272,19 @@ class Scheduler:
                        start: float, seconds: float) -> None:
         """Feed the round's outcome back: each row's drafts / accepted (its telemetry's change); its time waits for
         `_close_round`."""
-        for k in ks:
-            self.spec_k_counts[min(k, self.k)] += 1
+        if T == 1:
+            self.spec_k_counts[0] += len(ks)
+        else:
+            for k in ks:
+                self.spec_k_counts[min(k, self.k)] += 1
         pol = self.policy
         if pol is None or not pol.spec.adaptive or not pol.cost:
             return
-        pol.observe_round([(s, s.telem.drafted - d0, s.telem.accepted - a0) for s, (d0, a0) in zip(rows, before)
-                           if s.error is None and s.k_next is not None])
+        if T == 1:  # no row drafted: only the rows the controller has not met are news
+            pol.observe_plain([s for s in rows if s.error is None and s.k_next is not None])
+        else:
+            pol.observe_round([(s, s.telem.drafted - d0, s.telem.accepted - a0) for s, (d0, a0) in zip(rows, before)
+                               if s.error is None and s.k_next is not None])
         self._open = (rows, T, start, seconds, 0.0)
 
     def _aside(self, since: float) -> None:
@@ -817,7 +826,7 @@ class Scheduler:
         if self.running:
             before = [s.cache.length for s in self.running]
             rows, ks = list(self.running), [s.k_round() for s in self.running]
-            tel = [(s.telem.drafted, s.telem.accepted) for s in rows]
+            tel = [(s.telem.drafted, s.telem.accepted) for s in rows] if T > 1 else []  # (T = 1: no drafts)
             t0 = time.perf_counter()
             try:
                 spec_round(self.model, self.running, self.runner)

@@ -532,7 +532,8 @@ class SessionState:
         self.cache.keep(n + len(out), len(out) - 1)
         self.committed += [self.pending] + out[:-1]
         if self.k > 0:
-            self._queue_mtp_rows(out, carrier[: len(out)])  # rows n.. = (out[j], h_{n+j})
+            # rows n.. = (out[j], h_{n+j}) (every row of the round's carrier: no view to make)
+            self._queue_mtp_rows(out, carrier if len(out) == len(carrier) else carrier[: len(out)])
         if drafted > 0:
             self.telem.record_round(drafted, n_acc)
             self.len_hist[drafted] += 1

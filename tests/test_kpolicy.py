@@ -454,6 +454,44 @@ def test_observe_round_is_observe_for_each_row():
     assert a.pooled() == b.pooled()
 
 
+def test_a_plain_rounds_short_paths_learn_what_plan_and_observe_round_learn():
+    """As the scheduler calls them: `resting` first (a quiet spell's round, O(1); `plan` when it says None) and
+    `observe_plain` for a round in which no row drafted give the plans, widths, estimates and probe intervals that
+    `plan` and `observe_round` alone give (zero-acceptance rows in quiet spells, joins and leaves, a row that drafts
+    well now and then). `resting`'s own semantics: the quiet-spell tests above."""
+    rng = random.Random(7)
+    a, b = _policy(), _policy()
+    rows = ["r0", "r1", "r2"]
+    acc = {r: 0.0 for r in rows}
+    rested = 0
+    for i in range(1500):
+        if i % 97 == 96:  # a row leaves, a new one joins (now and then one that drafts well)
+            gone = rows.pop(0)
+            a.forget(gone)
+            b.forget(gone)
+            rows.append(f"n{i}")
+            acc[rows[-1]] = 0.9 if i % 3 == 0 else 0.0
+        ks = a.plan(rows)
+        kb = b.resting(rows)
+        rested += kb is not None
+        kb = b.plan(rows) if kb is None else kb
+        assert kb == ks and b.last_t == a.last_t
+        out = []
+        for r, k in zip(rows, ks):
+            n = 0
+            while n < k and rng.random() < acc[r]:
+                n += 1
+            out.append((r, k, n))
+        a.observe_round(out)
+        b.observe_plain(rows) if max(ks) == 0 else b.observe_round(out)
+        for p in (a, b):
+            p.observe_time(len(rows), max(ks) + 1, p.cost[(p.bucket(len(rows)), max(ks) + 1)])
+        assert a.probe_every == b.probe_every
+        assert a.rows.keys() == b.rows.keys() and all(a.accept(r) == b.accept(r) for r in rows)
+    assert a.pooled() == b.pooled()
+    assert rested > 200  # the short path ran (227 rounds)
+
+
 def test_a_rows_round_curve_is_its_decayed_estimates_curve():
     """`plan`'s one-pass `_Est.round_curve` keeps the round's decay in the counts and returns, bit for bit, the curve
     and useful depth of the estimate from the decayed counts (positions never reached, a cap below K included)."""

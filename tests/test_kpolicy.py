@@ -422,6 +422,17 @@ def test_a_finished_rows_deferred_mtp_rows_are_timed(model):
     assert sched.policy.deferred() == pytest.approx(got[0][1] / got[0][0])
 
 
+def _outcomes(rng: random.Random, rows: list[str], ks: list[int], acc: dict[str, float]) -> list[tuple[str, int, int]]:
+    """Each row's (row, k, accepted): its k drafts accepted in turn with chance acc[row], up to the first miss."""
+    out = []
+    for r, k in zip(rows, ks):
+        n = 0
+        while n < k and rng.random() < acc[r]:
+            n += 1
+        out.append((r, k, n))
+    return out
+
+
 def test_observe_round_is_observe_for_each_row():
     """A round's outcomes in one call learn exactly what `observe` row by row learns (rows that drafted nothing, known
     or new, a quiet spell's included): the same plans and the same estimates."""
@@ -438,12 +449,7 @@ def test_observe_round_is_observe_for_each_row():
             acc[rows[-1]] = rng.random()
         ks = a.plan(rows)
         assert b.plan(rows) == ks
-        out = []
-        for r, k in zip(rows, ks):
-            n = 0
-            while n < k and rng.random() < acc[r]:
-                n += 1
-            out.append((r, k, n))
+        out = _outcomes(rng, rows, ks, acc)
         for r, k, n in out:
             a.observe(r, k, n)
         b.observe_round(out)
@@ -476,12 +482,7 @@ def test_a_plain_rounds_short_paths_learn_what_plan_and_observe_round_learn():
         rested += kb is not None
         kb = b.plan(rows) if kb is None else kb
         assert kb == ks and b.last_t == a.last_t
-        out = []
-        for r, k in zip(rows, ks):
-            n = 0
-            while n < k and rng.random() < acc[r]:
-                n += 1
-            out.append((r, k, n))
+        out = _outcomes(rng, rows, ks, acc)
         a.observe_round(out)
         b.observe_plain(rows) if max(ks) == 0 else b.observe_round(out)
         for p in (a, b):

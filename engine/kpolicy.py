@@ -283,8 +283,8 @@ class KPolicy:
                               for curve, d, w in zip(curves, deep, wide))))
             p = self.refill() if left is not None else 1.0
             p = 1.0 if p > 0.99 else p  # a drain weight under 1%: not worth its work
-            # the batch may run down rather than be refilled: each width's drain rate too
-            drain = self._drains(cols, left, c) if p < 1.0 and left is not None else None
+            # the batch may run down rather than be refilled: each width's drain rate too (one row's is its rate)
+            drain = self._drains(cols, left, c) if p < 1.0 and left is not None and n > 1 else None
             rate, T = -1.0, 1
             for t in range(1, cap + 2):
                 r = sum(cols[t - 1]) / c[t - 1]

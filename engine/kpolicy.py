@@ -157,7 +157,8 @@ class _Est:
 class KPolicy:
     """Per-row, per-round K. `plan(rows)` -> each row's k for the next round; `observe(row, drafted, n_acc)` after
     it, `observe_time(n, T, seconds)` with the round's wall time; `forget(row)` when a row leaves. Rows are any
-    hashable keys. Deterministic given the cost table and the history fed in."""
+    hashable keys. Deterministic given the cost table and the history fed in. A serving loop's short paths, the same
+    decisions: `resting(rows)` before `plan` (a quiet spell's round), `observe_plain` for a round nobody drafted in."""
 
     spec: KPolicySpec
     cost: dict[tuple[int, int], float]  # (bucket, T) -> seconds of one round

@@ -272,11 +272,8 @@ class Scheduler:
                        start: float, seconds: float) -> None:
         """Feed the round's outcome back: each row's drafts / accepted (its telemetry's change); its time waits for
         `_close_round`."""
-        if T == 1:
-            self.spec_k_counts[0] += len(ks)
-        else:
-            for k in ks:
-                self.spec_k_counts[min(k, self.k)] += 1
+        for k in ks:
+            self.spec_k_counts[min(k, self.k)] += 1
         pol = self.policy
         if pol is None or not pol.spec.adaptive or not pol.cost:
             return
